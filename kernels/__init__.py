@@ -1,0 +1,1 @@
+"""Kernels (Triton) and their torch/numpy reference twins."""

@@ -1,0 +1,1 @@
+"""Quantization (RTN, AWQ, GPTQ), checkpoints and exporters."""

@@ -1,0 +1,1 @@
+"""Backends: each runs a forward pass over a batch whose KV lives in engine-assigned blocks."""

@@ -1,0 +1,92 @@
+"""The torch reference backend (CPU): paged K/V tensors per layer, our own model code."""
+
+from __future__ import annotations
+
+import torch
+
+from edgellm.backends.base import kv_bytes_per_token
+from edgellm.errors import InvalidParameterError
+from edgellm.kernels.paged_attention import AttentionMetadata
+from edgellm.scheduler import ScheduledSeq
+from edgellm.sequence import Sequence
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache_mb: float = 512,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ):
+        args = model.args
+        self.model = model
+        self.block_size = block_size
+        self.vocab_size = args.vocab_size
+        self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        dtype = kv_dtype or next(model.parameters()).dtype
+        per_block = block_size * kv_bytes_per_token(
+            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype
+        )
+        self.num_blocks = int(kv_cache_mb * 2**20 // per_block)
+        if self.num_blocks < -(-self.max_model_len // block_size) // 4 or self.num_blocks < 2:
+            raise InvalidParameterError(
+                f"--kv-cache-mb {kv_cache_mb} holds only {self.num_blocks} blocks of {block_size} tokens"
+            )
+        shape = (self.num_blocks, block_size, args.num_key_value_heads, args.head_dim)
+        # [num_blocks, block_size, n_kv_heads, head_dim] per layer, for K and V
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(args.num_hidden_layers)
+        ]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def release(self, seq: Sequence) -> None:
+        pass  # storage is the shared block pool; the block manager owns it
+
+    @torch.inference_mode()
+    def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+        inputs = prepare_inputs(batch, self.block_size, all_logits)
+        return self.model(
+            inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"], inputs["logits_indices"]
+        )
+
+
+def prepare_inputs(batch: list[ScheduledSeq], block_size: int, all_logits: bool = False) -> dict:
+    """Flatten a scheduled batch into token ids, positions, slot mapping and block tables."""
+    ids, pos, slots, qsl, ctx, rows = [], [], [], [0], [], []
+    for item in batch:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_tokens
+        ids += seq.token_ids[start:end]
+        positions = range(start, end)
+        pos += positions
+        slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in positions]
+        if all_logits:
+            rows += range(qsl[-1], qsl[-1] + item.num_tokens)
+        elif item.wants_logits:
+            rows.append(qsl[-1] + item.num_tokens - 1)
+        qsl.append(qsl[-1] + item.num_tokens)
+        ctx.append(end)
+    width = max(len(item.seq.block_table) for item in batch)
+    tables = torch.zeros(len(batch), width, dtype=torch.long)
+    for b, item in enumerate(batch):
+        tables[b, : len(item.seq.block_table)] = torch.tensor(item.seq.block_table)
+    meta = AttentionMetadata(torch.tensor(slots), qsl, ctx, tables)
+    return {
+        "input_ids": torch.tensor(ids),
+        "positions": torch.tensor(pos),
+        "meta": meta,
+        "logits_indices": torch.tensor(rows, dtype=torch.long),
+    }

@@ -1,0 +1,205 @@
+"""Paged KV-cache block manager (PagedAttention-style), shared by every backend.
+
+It hands out block ids and tracks who uses them; it holds no tensors. Full
+blocks whose K/V are computed are registered under a chained hash of their
+token ids (prefix caching); a freed cached block stays revivable in LRU order
+until its id is needed again. A block shared by several sequences is copied
+before one of them writes into it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from edgellm.errors import InvalidParameterError
+from edgellm.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # chained hash of a full, computed block
+    token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, checked on a hit
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    """Block ids for sequences: allocation, prefix hits, append, fork, copy-on-write, free."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise InvalidParameterError("the KV cache needs at least one block of at least one token")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt blocks looked up
+        self.prefix_hits = 0  # ... found cached
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation --------------------------------------------------------------------------
+    def _take(self) -> int:
+        block_id, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict the least recently used cached block
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_ids[block_id]
+        block.ref_count += 1
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks matching the sequence's leading full blocks."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent, bs = [], None, self.block_size
+        # at least one token must be computed to produce logits
+        n_full = (len(seq) - 1) // bs
+        for i in range(n_full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.blocks_needed(len(seq)) - len(hits) + revived <= self.num_free
+
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> None:
+        """Blocks for all of `seq`'s current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, "sequence already has blocks"
+        hits = self._cached_prefix(seq) if use_prefix_cache else []
+        if self.enable_prefix_caching and use_prefix_cache:
+            self.prefix_queries += (len(seq) - 1) // self.block_size
+        self.prefix_hits += len(hits)
+        for block_id in hits:
+            self._ref(block_id)
+        seq.block_table = hits + [self._take() for _ in range(self.blocks_needed(len(seq)) - len(hits))]
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+
+    def can_append(self, seq: Sequence, num_new: int = 0) -> bool:
+        """Room for all of seq's tokens plus `num_new` (and a copy if a shared block is written)."""
+        need = self.blocks_needed(len(seq) + num_new) - len(seq.block_table)
+        return max(need, 0) + (self._shared_write_block(seq) is not None) <= self.num_free
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in the block table of the next block written, if other sequences share it."""
+        w = seq.num_computed_tokens // self.block_size
+        if w < len(seq.block_table) and self.blocks[seq.block_table[w]].ref_count > 1:
+            return w
+        return None
+
+    def append_slots(self, seq: Sequence, num_new: int = 0) -> list[tuple[int, int]]:
+        """Blocks for all of seq's tokens plus `num_new`; returns (src, dst) block copies."""
+        copies = []
+        w = self._shared_write_block(seq)
+        if w is not None:  # copy-on-write: the block about to be written is shared
+            old = seq.block_table[w]
+            seq.block_table[w] = self._take()
+            self._unref(old)
+            copies.append((old, seq.block_table[w]))
+        while len(seq.block_table) < self.blocks_needed(len(seq) + num_new):
+            seq.block_table.append(self._take())
+        return copies
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_ids[block_id] = None  # most recently used end: evicted last
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks (cached ones stay revivable)."""
+        # free back to front so the tail of a prefix is evicted before its head
+        for block_id in reversed(seq.block_table):
+            self._unref(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares all of `parent`'s blocks (copy-on-write on the next write)."""
+        for block_id in parent.block_table:
+            self._ref(block_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_hashed_blocks = parent.num_hashed_blocks
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget K/V past `num_tokens` (rejected speculative tokens); frees whole blocks."""
+        keep = self.blocks_needed(num_tokens)
+        for block_id in seq.block_table[keep:]:
+            self._unref(block_id)
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_tokens // self.block_size)
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    def register_computed(self, seq: Sequence) -> None:
+        """Hash the sequence's full blocks whose K/V are now computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        n_full = seq.num_computed_tokens // bs
+        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        for i in range(seq.num_hashed_blocks, n_full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block.setdefault(h, block.block_id)
+            parent = block.hash
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ---- invariants ----------------------------------------------------------------------------
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        """Every block is free xor referenced; ref counts equal the owners; nothing leaks."""
+        owners = [0] * self.num_blocks
+        for seq in seqs:
+            assert len(seq.block_table) == len(set(seq.block_table)), "block twice in one table"
+            for block_id in seq.block_table:
+                owners[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == owners[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != owners {owners[block.block_id]}"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self.free_ids), (
+                f"block {block.block_id} free-list state disagrees with ref_count {block.ref_count}"
+            )
+        for h, block_id in self.hash_to_block.items():
+            assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"

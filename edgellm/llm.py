@@ -1,0 +1,132 @@
+"""The embedded Python API: `LLM(model).generate(...)`, `.chat(...)`, `.stream(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from edgellm.engine import Engine, EngineConfig
+from edgellm.errors import InvalidParameterError
+from edgellm.outputs import RequestOutput
+from edgellm.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("torch",)
+
+
+class LLM:
+    """A model on a backend, driven by the shared engine.
+
+    Args:
+        model: a GGUF file, a Hugging Face directory, a short name (`smollm2-135m`), or
+            None for the default model (SmolLM2-135M-Instruct).
+        backend: "torch" (CPU reference).
+        dtype: float dtype of weights and KV cache on the torch backend.
+        kv_cache_mb: memory for the paged KV cache.
+        max_model_len: context limit (defaults to the model's).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        backend: str = "torch",
+        dtype: str = "float32",
+        kv_cache_mb: float = 512,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        enable_prefix_caching: bool = True,
+        threads: int | None = None,
+    ):
+        from edgellm.loaders.model import build_model, load_model
+
+        if backend not in BACKENDS:
+            raise InvalidParameterError(f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})")
+        if dtype not in DTYPES:
+            raise InvalidParameterError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        if threads:
+            torch.set_num_threads(threads)
+        self.loaded = load_model(model)
+        self.tokenizer = self.loaded.tokenizer
+        self.model = build_model(self.loaded, DTYPES[dtype])
+        self.engine = make_engine(
+            self.model, self.tokenizer,
+            EngineConfig(block_size, kv_cache_mb, max_num_seqs, max_num_batched_tokens,
+                         max_model_len, enable_prefix_caching),
+        )
+
+    # ---- batch API -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (batched through the engine); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.add_request(p, params) for p in prompts]
+        try:
+            run_to_completion(self.engine, progress, total=len(ids))
+        finally:
+            for rid in ids:
+                if rid in self.engine.requests and not self.engine.requests[rid].finished:
+                    self.engine.abort(rid)
+        return [self.engine.pop_output(rid) for rid in ids]
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Answer one conversation or several, formatted by the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.format_chat(c) for c in convs], params)
+
+    def format_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- streaming -----------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one completion as tokens arrive (UTF-8 safe)."""
+        rid = self.engine.add_request(prompt, params)
+        try:
+            while not self.engine.requests[rid].finished:
+                for delta in self.engine.step():
+                    if delta.request_id == rid and delta.index == 0 and delta.text:
+                        yield delta.text
+        finally:
+            self.engine.abort(rid) if not self.engine.requests[rid].finished else None
+            self.last_output = self.engine.pop_output(rid)
+
+    def stream_chat(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[str]:
+        return self.stream(self.format_chat(messages), params)
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Log-probability of each token after the first: [len - 1]."""
+        return self.engine.score(token_ids)
+
+
+def make_engine(model, tokenizer, config: EngineConfig) -> Engine:
+    from edgellm.backends.torch import TorchBackend
+
+    backend = TorchBackend(model, config.kv_cache_mb, config.block_size, config.max_model_len)
+    return Engine(backend, tokenizer, config)
+
+
+def run_to_completion(engine: Engine, progress: bool = False, total: int = 0) -> None:
+    """Step the engine until no request is left, with an optional progress bar."""
+    if not progress:
+        while engine.has_unfinished():
+            engine.step()
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("generating", total=total)
+        while engine.has_unfinished():
+            engine.step()
+            done = sum(r.finished for r in engine.requests.values())
+            bar.update(task, completed=done)

@@ -1,0 +1,81 @@
+"""Weight sources: stream tensors by HF name from a GGUF file or safetensors shards.
+
+A source never loads the whole model at once: `get(name)` reads (and for GGUF
+dequantizes) one tensor, so quantizers can walk a model one layer at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str  # HF name
+    shape: tuple[int, ...]  # torch order, e.g. [out, in]
+    dtype: str  # storage type: "Q4_1", "F32", "bfloat16", ...
+    bits_per_weight: float
+
+
+class WeightSource(Protocol):
+    def names(self) -> list[str]: ...
+
+    def info(self, name: str) -> TensorInfo: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def iter_tensors(source: WeightSource, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, float tensor) for every tensor whose name starts with `prefix`."""
+    for name in source.names():
+        if name.startswith(prefix):
+            yield name, source.get(name)
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+class SafetensorsSource:
+    """One or more safetensors files (sharded checkpoints), read lazily."""
+
+    _BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I8": 8, "U8": 8}
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {n: h for h in self._handles for n in h.keys()}
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def info(self, name: str) -> TensorInfo:
+        sl = self._where[name].get_slice(name)
+        dtype = sl.get_dtype()
+        return TensorInfo(name, tuple(sl.get_shape()), dtype, self._BITS.get(dtype, 0))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+
+class DictSource:
+    """Tensors already in memory (tests, freshly built models)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._t = tensors
+
+    def names(self) -> list[str]:
+        return list(self._t)
+
+    def info(self, name: str) -> TensorInfo:
+        t = self._t[name]
+        return TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size() * 8)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._t[name]

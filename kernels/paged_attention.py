@@ -1,0 +1,102 @@
+"""Paged attention in plain torch: the reference every backend is held to.
+
+The KV cache of one layer is two tensors `[num_blocks, block_size, n_kv_heads,
+head_dim]`; a sequence's tokens live in the blocks its `block_table` lists, token
+`i` at block `block_table[i // block_size]`, offset `i % block_size`. Queries of
+all sequences in a step are flattened into one `[T, n_heads, head_dim]` tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    query_start_loc: list[int]  # [B + 1]: sequence b's queries are rows qsl[b]:qsl[b+1]
+    context_lens: list[int]  # [B]: KV length of each sequence after this step's writes
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0 (masked by context_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence has exactly one query token (the batched fast path)."""
+        return len(self.query_start_loc) - 1 == self.query_start_loc[-1]
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [N, bs, KVH, D]
+    v_cache: torch.Tensor,  # [N, bs, KVH, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    """Scatter this step's keys and values into their slots."""
+    n_kv, d = k_cache.shape[-2:]
+    k_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` cached rows: [length, KVH, D]."""
+    n_blocks = -(-length // cache.shape[1])
+    return cache[block_table[:n_blocks]].flatten(0, 1)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Causal attention of each sequence's queries over its cached context."""
+    if meta.decode_only:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    qsl = meta.query_start_loc
+    for b, ctx in enumerate(meta.context_lens):
+        s, e = qsl[b], qsl[b + 1]
+        k = _gather(k_cache, meta.block_tables[b], ctx).to(q.dtype)  # [ctx, KVH, D]
+        v = _gather(v_cache, meta.block_tables[b], ctx).to(q.dtype)
+        out[s:e] = _causal_sdpa(q[s:e], k, v, scale)
+    return out
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D] are the last n positions of a context of k/v [ctx, KVH, D]."""
+    n, ctx = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if n == ctx:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # query i sits at absolute position ctx - n + i and sees keys 0..that position
+        rows = torch.arange(ctx - n, ctx)[:, None]
+        mask = torch.arange(ctx)[None, :] <= rows  # [n, ctx]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """All sequences decode one token: gather padded contexts and attend in one call."""
+    bs = k_cache.shape[1]
+    lens = torch.tensor(meta.context_lens)
+    n_blocks = -(-int(lens.max()) // bs)
+    table = meta.block_tables[:, :n_blocks]  # [B, nb]
+    k = k_cache[table].flatten(1, 2).to(q.dtype)  # [B, L, KVH, D]
+    v = v_cache[table].flatten(1, 2).to(q.dtype)
+    mask = torch.arange(k.shape[1])[None, :] < lens[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :],  # [B, H, 1, D]
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[:, :, 0, :]
