@@ -32,10 +32,12 @@ class TorchBackend:
             args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype
         )
         self.num_blocks = int(kv_cache_mb * 2**20 // per_block)
-        if self.num_blocks < -(-self.max_model_len // block_size) // 4 or self.num_blocks < 2:
+        if self.num_blocks < 2:
             raise InvalidParameterError(
                 f"--kv-cache-mb {kv_cache_mb} holds only {self.num_blocks} blocks of {block_size} tokens"
             )
+        # one sequence can never hold more tokens than the whole pool
+        self.max_model_len = min(self.max_model_len, self.num_blocks * block_size)
         shape = (self.num_blocks, block_size, args.num_key_value_heads, args.head_dim)
         # [num_blocks, block_size, n_kv_heads, head_dim] per layer, for K and V
         self.kv_caches = [

@@ -106,7 +106,7 @@ class Engine:
 
     def _track(self, req: Request, seq: Sequence) -> None:
         req.seqs.append(seq)
-        req.decoders[seq.seq_id] = self.tokenizer.detokenizer()
+        req.decoders[seq.seq_id] = self.tokenizer.stream_decoder(prompt_ids=req.prompt_ids)
         req.emitted[seq.seq_id] = 0
 
     def abort(self, request_id: str) -> None:
@@ -179,13 +179,18 @@ class Engine:
 
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
         params = seq.params
+        decoder = req.decoders[seq.seq_id]
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.stop_ids)
-        if token in stop_ids:
+        if token in stop_ids:  # the stop token itself is not part of the text
+            seq.output_text += decoder.flush()
             return self._finish(seq, "stop")
-        seq.output_text += req.decoders[seq.seq_id].add(token)
+        seq.output_text += decoder.step(token)
+        out_of_room = len(seq.output_ids) >= params.max_tokens or len(seq) >= self.max_model_len
+        if out_of_room:
+            seq.output_text += decoder.flush()
         if params.stop and self._truncate_at_stop(seq, params):
             return self._finish(seq, "stop")
-        if len(seq.output_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
+        if out_of_room:
             return self._finish(seq, "length")
         return None
 

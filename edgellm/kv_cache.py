@@ -144,7 +144,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._unref(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0  # num_cached_tokens stays: a statistic
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks (copy-on-write on the next write)."""

@@ -57,3 +57,60 @@ def smollm2_path() -> Path:
     from edgellm.registry import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+def byte_tokenizer(eos_id: int | None = None):
+    """A real byte-level BPE tokenizer with one token per byte (vocab 256, no merges)."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from edgellm.tokenizer import SpecialTokens, Tokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in enumerate(sorted(alphabet, key=_byte_of))}
+    vocab = {c: b for b, c in byte_to_char.items()}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return Tokenizer(tok, SpecialTokens(eos_id=eos_id))
+
+
+def _byte_of(ch: str) -> int:
+    from tokenizers import pre_tokenizers
+
+    # the GPT-2 byte<->unicode map: printable bytes map to themselves, others to 256+
+    table = getattr(_byte_of, "table", None)
+    if table is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        table = _byte_of.table = {chr(c): b for b, c in zip(bs, cs, strict=True)}
+    del pre_tokenizers
+    return table[ch]
+
+
+def tiny_engine(model_type: str = "llama", kv_cache_mb: float = 2.0, eos_id: int | None = None, seed: int = 0, **cfg):
+    """An Engine over a tiny random model (vocab 256) with a byte tokenizer."""
+    from edgellm.backends.torch import TorchBackend
+    from edgellm.engine import Engine, EngineConfig
+
+    hf, config = tiny_hf_model(model_type, seed=seed)
+    model = ours_from_hf(hf, config)
+    config = EngineConfig(**{"kv_cache_mb": kv_cache_mb, **cfg})
+    backend = TorchBackend(model, config.kv_cache_mb, config.block_size, config.max_model_len)
+    return Engine(backend, byte_tokenizer(eos_id), config)
+
+
+def run_all(engine, prompts, params, check=True) -> list:
+    """Add every prompt, step to completion checking block invariants; outputs in order."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        if check:
+            live = [s for r in engine.requests.values() for s in r.seqs if s.block_table]
+            engine.block_manager.check_invariants(live)
+    return [engine.pop_output(i) for i in ids]

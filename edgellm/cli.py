@@ -1,0 +1,173 @@
+"""The `edgellm` command. Thin: each command parses options and calls the library."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    help="edgellm: quantize once, run everywhere. With no MODEL, SmolLM2-135M-Instruct is used.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Evaluate a model.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="GGUF file, HF directory or short name (smollm2-135m)")
+]
+BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="torch")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
+
+
+def _params(**kw):
+    from edgellm.sampling_params import SamplingParams
+
+    return SamplingParams(**kw)
+
+
+def _llm(model, backend, **kw):
+    from rich.console import Console
+
+    from edgellm.llm import LLM
+
+    with Console(stderr=True).status("loading model"):
+        return LLM(model, backend=backend, **kw)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="prompt text ('-' reads stdin)")],
+    model: ModelOpt = None,
+    backend: BackendOpt = "torch",
+    chat: Annotated[bool, typer.Option("--chat", help="format PROMPT as a user message")] = False,
+    system: Annotated[str | None, typer.Option(help="system prompt (with --chat)")] = None,
+    max_tokens: MaxTokens = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    ctx: Annotated[int | None, typer.Option(help="context length limit")] = None,
+):
+    """Complete PROMPT (streamed to stdout)."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    params = _params(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+        repetition_penalty=repetition_penalty, max_tokens=max_tokens, stop=stop or [],
+    )
+    llm = _llm(model, backend, max_model_len=ctx)
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        stream = llm.stream_chat(messages, params)
+    else:
+        stream = llm.stream(prompt, params)
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    _print_stats(llm.last_output)
+
+
+def _print_stats(out) -> None:
+    from rich.console import Console
+
+    m = out.metrics
+    n = len(out.outputs[0].token_ids)
+    Console(stderr=True).print(
+        f"[dim]{len(out.prompt_token_ids)} prompt tokens, {n} generated, "
+        f"ttft {m.get('ttft_s', 0) * 1000:.0f} ms, {m.get('decode_tokens_per_s', 0):.1f} tok/s, "
+        f"finish: {out.outputs[0].finish_reason}[/dim]"
+    )
+
+
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    backend: BackendOpt = "torch",
+    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
+    max_tokens: MaxTokens = 512,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int | None = None,
+):
+    """Interactive chat with history, formatted by the model's chat template."""
+    from edgellm.chat import run_chat
+
+    llm = _llm(model, backend)
+    params = _params(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    run_chat(llm, params, system)
+
+
+@app.command()
+def info(model: Annotated[str | None, typer.Argument(help="GGUF file, HF directory or short name")] = None):
+    """Architecture, parameters, tensor types and bits/weight, context, tokenizer, template."""
+    from rich.console import Console
+
+    from edgellm.info import model_info, render_info
+
+    Console().print(render_info(model_info(model)))
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    model: Annotated[str | None, typer.Argument(help="GGUF file, HF directory or short name")] = None,
+    backend: BackendOpt = "torch",
+    text: Annotated[str, typer.Option(help="sotu | sotu-calib | shakespeare | a text file")] = "sotu",
+    ctx: Annotated[int, typer.Option(help="window length in tokens")] = 512,
+    stride: Annotated[int | None, typer.Option(help="window stride (default: ctx)")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="score only the first N tokens")] = None,
+):
+    """Perplexity on a built-in text or a file (sliding window)."""
+    from rich.console import Console
+
+    from edgellm.evaluate import perplexity
+    from edgellm.texts import load_text
+
+    llm = _llm(model, backend, max_model_len=None, max_num_batched_tokens=ctx)
+    tokens = llm.tokenizer.encode(load_text(text), add_special_tokens=False)[:max_tokens]
+    r = perplexity(llm.score, tokens, ctx, stride, progress=True)
+    Console().print(
+        f"perplexity {r.ppl:.4f} on {text} ({r.tokens_scored} tokens scored, "
+        f"{r.windows} windows of {r.ctx}, stride {r.stride})"
+    )
+
+
+@app.command()
+def convert(
+    model: Annotated[str, typer.Argument(help="GGUF file (or any loadable model)")],
+    out_dir: Annotated[str, typer.Argument(help="output Hugging Face directory")],
+    dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "bfloat16",
+    force: Annotated[bool, typer.Option("--force", help="replace OUT_DIR if it exists")] = False,
+):
+    """Write a Hugging Face directory (safetensors, config, tokenizer) transformers loads."""
+    from edgellm.convert import convert_to_hf
+
+    out = convert_to_hf(model, out_dir, dtype, force)
+    typer.echo(f"wrote {out}")
+
+
+def main() -> None:
+    """Entry point: user errors are one line on stderr, never a traceback."""
+    from edgellm.errors import EdgeLLMError
+
+    try:
+        app()
+    except EdgeLLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

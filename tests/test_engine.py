@@ -1,0 +1,139 @@
+"""The engine end to end on tiny random models: batching, chunking, preemption, caching."""
+
+import pytest
+import torch
+
+from edgellm.errors import ContextLengthError, InvalidParameterError
+from edgellm.sampling_params import SamplingParams
+from tests.conftest import run_all, tiny_engine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 256, (int(torch.randint(3, 90, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batched_greedy_equals_one_at_a_time():
+    ps = prompts(8)
+    alone = [tokens(run_all(tiny_engine(), [p], GREEDY))[0] for p in ps]
+    batched = tokens(run_all(tiny_engine(), ps, GREEDY))
+    assert batched == alone
+
+
+def test_chunked_prefill_and_preemption_give_the_same_tokens():
+    ps = prompts(6, seed=1)
+    ref = tokens(run_all(tiny_engine(), ps, GREEDY))
+    chunked = tiny_engine(max_num_batched_tokens=16)
+    assert tokens(run_all(chunked, ps, GREEDY)) == ref
+    # a pool of 40 blocks of 4 tokens (512 bytes a token) cannot hold all six: preemption
+    small = tiny_engine(kv_cache_mb=40 * 4 * 512 / 2**20, block_size=4)
+    assert small.block_manager.num_blocks == 40
+    assert tokens(run_all(small, ps, GREEDY)) == ref
+    assert small.scheduler.num_preemptions > 0
+    assert small.block_manager.num_free == small.block_manager.num_blocks
+
+
+def test_prefix_cache_hit_gives_same_tokens():
+    eng = tiny_engine(block_size=8)
+    shared = list(range(1, 41))
+    first = run_all(eng, [shared + [50, 51]], GREEDY)[0]
+    second = run_all(eng, [shared + [50, 51]], GREEDY)[0]
+    assert second.num_cached_tokens == 40
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    cold = run_all(tiny_engine(block_size=8, enable_prefix_caching=False), [shared + [50, 51]], GREEDY)[0]
+    assert cold.outputs[0].token_ids == first.outputs[0].token_ids
+    assert eng.block_manager.prefix_hit_rate > 0
+
+
+def test_full_prefix_hit_still_computes_last_token():
+    eng = tiny_engine(block_size=8)
+    p = list(range(1, 33))  # exactly 4 blocks
+    a = run_all(eng, [p], GREEDY)[0]
+    b = run_all(eng, [p], GREEDY)[0]
+    assert b.num_cached_tokens == 24 and a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_n_greater_than_one_forks_and_seeds_reproduce():
+    eng = tiny_engine(block_size=4)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12)
+    out = run_all(eng, [list(range(1, 11))], params)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    texts = [o.token_ids for o in out.outputs]
+    assert len({tuple(t) for t in texts}) > 1  # different samples
+    again = run_all(tiny_engine(block_size=4), [list(range(1, 11))], params)[0]
+    assert [o.token_ids for o in again.outputs] == texts
+    assert eng.block_manager.num_free == eng.block_manager.num_blocks
+
+
+def test_seeded_sampling_does_not_depend_on_batch():
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16)
+    p = list(range(5, 25))
+    alone = tokens(run_all(tiny_engine(), [p], params))[0]
+    mixed = tokens(run_all(tiny_engine(), [p] + prompts(4), params))[0]
+    assert alone == mixed
+
+
+def test_abort_frees_everything():
+    eng = tiny_engine(block_size=4)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=100)) for p in prompts(5)]
+    for _ in range(3):
+        eng.step()
+    for rid in ids:
+        eng.abort(rid)
+    assert not eng.has_unfinished()
+    assert eng.block_manager.num_free == eng.block_manager.num_blocks
+    eng.block_manager.check_invariants([])
+
+
+def test_stop_strings_max_tokens_and_streaming():
+    eng = tiny_engine()
+    free = run_all(eng, ["hello"], SamplingParams(temperature=0, max_tokens=40))[0]
+    text = free.outputs[0].text
+    assert free.outputs[0].finish_reason == "length" and len(free.outputs[0].token_ids) == 40
+    stop = text[5:8]
+    if stop:
+        out = run_all(eng, ["hello"], SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0]
+        assert out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].text == text[: text.index(stop)]
+    rid = eng.add_request("hello", SamplingParams(temperature=0, max_tokens=40))
+    pieces = []
+    while eng.has_unfinished():
+        pieces += [d.text for d in eng.step() if d.request_id == rid]
+    assert "".join(pieces) == text
+
+
+def test_stop_token_ids_end_generation():
+    eng = tiny_engine()
+    free = run_all(eng, ["abc"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    stop_tok = free.token_ids[4]
+    out = run_all(eng, ["abc"], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]))[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == free.token_ids[: free.token_ids.index(stop_tok) + 1]
+
+
+def test_bad_requests_are_refused_clearly():
+    eng = tiny_engine(max_model_len=64)
+    with pytest.raises(ContextLengthError, match="context"):
+        eng.add_request(list(range(1, 70)))
+    with pytest.raises(InvalidParameterError, match="empty"):
+        eng.add_request([])
+    with pytest.raises(InvalidParameterError, match="vocabulary"):
+        eng.add_request([1, 2, 999])
+    out = run_all(eng, [list(range(1, 60))], SamplingParams(temperature=0, max_tokens=100))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+
+
+def test_score_matches_prefill_logits():
+    eng = tiny_engine()
+    ids = list(range(1, 50))
+    lp = eng.score(ids)
+    eng2 = tiny_engine(max_num_batched_tokens=7)
+    torch.testing.assert_close(eng2.score(ids), lp, atol=1e-5, rtol=1e-5)
+    assert lp.shape == (48,) and (lp <= 0).all()
+    assert eng.block_manager.num_free == eng.block_manager.num_blocks
