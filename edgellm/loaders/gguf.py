@@ -192,7 +192,7 @@ class GGUFSource:
 
         t = self._tensors[name]
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.ascontiguousarray(gguf.dequantize(t.data, t.tensor_type), np.float32))
+        w = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
         w = w.reshape(shape)
         if self._permuted and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = self.args.num_attention_heads if "q_proj" in name else self.args.num_key_value_heads
