@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-
 from edgellm.backends.base import kv_bytes_per_token
-from edgellm.errors import InvalidParameterError
 from edgellm.kernels.paged_attention import AttentionMetadata
+
+from edgellm.errors import InvalidParameterError
 from edgellm.scheduler import ScheduledSeq
 from edgellm.sequence import Sequence
 
@@ -26,7 +26,9 @@ class TorchBackend:
         self.model = model
         self.block_size = block_size
         self.vocab_size = args.vocab_size
-        self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        self.max_model_len = min(
+            max_model_len or args.max_position_embeddings, args.max_position_embeddings
+        )
         dtype = kv_dtype or next(model.parameters()).dtype
         per_block = block_size * kv_bytes_per_token(
             args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype
@@ -61,7 +63,11 @@ class TorchBackend:
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         inputs = prepare_inputs(batch, self.block_size, all_logits)
         return self.model(
-            inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"], inputs["logits_indices"]
+            inputs["input_ids"],
+            inputs["positions"],
+            self.kv_caches,
+            inputs["meta"],
+            inputs["logits_indices"],
         )
 
 

@@ -1,8 +1,8 @@
 """edgellm: quantize once, run everywhere.
 
-    from edgellm import LLM, SamplingParams
-    llm = LLM()  # SmolLM2-135M-Instruct, torch backend
-    print(llm.chat([{"role": "user", "content": "Hi!"}])[0].text)
+from edgellm import LLM, SamplingParams
+llm = LLM()  # SmolLM2-135M-Instruct, torch backend
+print(llm.chat([{"role": "user", "content": "Hi!"}])[0].text)
 """
 
 __version__ = "0.1.0"

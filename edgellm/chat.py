@@ -39,7 +39,9 @@ def run_chat(llm, params: SamplingParams, system: str | None = None) -> None:
         answer = _answer(llm, messages, params)
         history.append({"role": "assistant", "content": answer})
         m = llm.last_output.metrics
-        err.print(f"[dim]ttft {m.get('ttft_s', 0) * 1000:.0f} ms · {m.get('decode_tokens_per_s', 0):.1f} tok/s[/dim]")
+        err.print(
+            f"[dim]ttft {m.get('ttft_s', 0) * 1000:.0f} ms · {m.get('decode_tokens_per_s', 0):.1f} tok/s[/dim]"
+        )
 
 
 def _answer(llm, messages: list[dict], params: SamplingParams) -> str:

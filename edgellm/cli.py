@@ -17,7 +17,8 @@ eval_app = typer.Typer(help="Evaluate a model.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
 ModelOpt = Annotated[
-    str | None, typer.Option("--model", "-m", help="GGUF file, HF directory or short name (smollm2-135m)")
+    str | None,
+    typer.Option("--model", "-m", help="GGUF file, HF directory or short name (smollm2-135m)"),
 ]
 BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="torch")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
@@ -59,8 +60,14 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-        repetition_penalty=repetition_penalty, max_tokens=max_tokens, stop=stop or [],
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        max_tokens=max_tokens,
+        stop=stop or [],
     )
     llm = _llm(model, backend, max_model_len=ctx)
     if chat:
@@ -109,7 +116,11 @@ def chat(
 
 
 @app.command()
-def info(model: Annotated[str | None, typer.Argument(help="GGUF file, HF directory or short name")] = None):
+def info(
+    model: Annotated[
+        str | None, typer.Argument(help="GGUF file, HF directory or short name")
+    ] = None,
+):
     """Architecture, parameters, tensor types and bits/weight, context, tokenizer, template."""
     from rich.console import Console
 
@@ -120,9 +131,13 @@ def info(model: Annotated[str | None, typer.Argument(help="GGUF file, HF directo
 
 @eval_app.command("ppl")
 def eval_ppl(
-    model: Annotated[str | None, typer.Argument(help="GGUF file, HF directory or short name")] = None,
+    model: Annotated[
+        str | None, typer.Argument(help="GGUF file, HF directory or short name")
+    ] = None,
     backend: BackendOpt = "torch",
-    text: Annotated[str, typer.Option(help="sotu | sotu-calib | shakespeare | a text file")] = "sotu",
+    text: Annotated[
+        str, typer.Option(help="sotu | sotu-calib | shakespeare | a text file")
+    ] = "sotu",
     ctx: Annotated[int, typer.Option(help="window length in tokens")] = 512,
     stride: Annotated[int | None, typer.Option(help="window stride (default: ctx)")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="score only the first N tokens")] = None,

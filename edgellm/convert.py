@@ -13,7 +13,9 @@ from edgellm.fsutil import atomic_path
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def convert_to_hf(model: str | None, out_dir: str | Path, dtype: str = "bfloat16", force: bool = False) -> Path:
+def convert_to_hf(
+    model: str | None, out_dir: str | Path, dtype: str = "bfloat16", force: bool = False
+) -> Path:
     """Write safetensors, config.json, generation_config.json and tokenizer files."""
     from safetensors.torch import save_file
 
@@ -23,13 +25,19 @@ def convert_to_hf(model: str | None, out_dir: str | Path, dtype: str = "bfloat16
         raise InvalidParameterError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     loaded = load_model(model)
     args = loaded.args
-    names = [n for n in loaded.weights.names() if not (args.tie_word_embeddings and n == "lm_head.weight")]
+    names = [
+        n
+        for n in loaded.weights.names()
+        if not (args.tie_word_embeddings and n == "lm_head.weight")
+    ]
     with atomic_path(out_dir, force=force, is_dir=True) as tmp:
         tensors = {n: loaded.weights.get(n).to(DTYPES[dtype]).contiguous() for n in names}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = {**args.to_hf_config(), "torch_dtype": dtype}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps(_generation_config(loaded), indent=2))
+        (tmp / "generation_config.json").write_text(
+            json.dumps(_generation_config(loaded), indent=2)
+        )
         loaded.tokenizer.save_pretrained(tmp)
     return Path(out_dir)
 

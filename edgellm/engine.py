@@ -61,7 +61,9 @@ class Engine:
             backend.num_blocks, backend.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
+            ),
             self.block_manager,
         )
         self.requests: dict[str, Request] = {}
@@ -70,7 +72,10 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
@@ -135,7 +140,9 @@ class Engine:
         self.stats["steps"] += 1
         return self._postprocess(out.scheduled, logits)
 
-    def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> list[StreamDelta]:
+    def _postprocess(
+        self, scheduled: list[ScheduledSeq], logits: torch.Tensor
+    ) -> list[StreamDelta]:
         wanting = [s for s in scheduled if s.wants_logits]
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_tokens
@@ -154,8 +161,12 @@ class Engine:
         for i in range(1, parent.pending_forks + 1):
             seed = None if req.params.seed is None else req.params.seed + i
             child = Sequence(
-                req.request_id, list(parent.token_ids), req.params, parent.num_prompt_tokens,
-                index=i, generator=make_generator(seed),
+                req.request_id,
+                list(parent.token_ids),
+                req.params,
+                parent.num_prompt_tokens,
+                index=i,
+                generator=make_generator(seed),
             )
             self.block_manager.fork(parent, child)
             child.status = parent.status
@@ -180,7 +191,9 @@ class Engine:
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
         params = seq.params
         decoder = req.decoders[seq.seq_id]
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.stop_ids)
+        stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else self.tokenizer.stop_ids
+        )
         if token in stop_ids:  # the stop token itself is not part of the text
             seq.output_text += decoder.flush()
             return self._finish(seq, "stop")
@@ -218,8 +231,15 @@ class Engine:
             end = len(seq.output_text) if seq.finished else max(len(seq.output_text) - hold, 0)
             start = req.emitted[seq.seq_id]
             if end > start or seq.finished:
-                deltas.append(StreamDelta(req.request_id, seq.index, seq.output_text[start:end],
-                                          seq.output_ids, seq.finish_reason))
+                deltas.append(
+                    StreamDelta(
+                        req.request_id,
+                        seq.index,
+                        seq.output_text[start:end],
+                        seq.output_ids,
+                        seq.finish_reason,
+                    )
+                )
                 req.emitted[seq.seq_id] = max(end, start)
         if req.finished and req.finish_time is None:
             req.finish_time = time.perf_counter()
@@ -230,12 +250,24 @@ class Engine:
         req = self.requests[request_id]
         seqs = sorted(req.seqs, key=lambda s: s.index)
         outs = [
-            CompletionOutput(s.index, s.output_text, s.output_ids, s.finish_reason,
-                             s.logprobs if req.params.logprobs is not None else None)
+            CompletionOutput(
+                s.index,
+                s.output_text,
+                s.output_ids,
+                s.finish_reason,
+                s.logprobs if req.params.logprobs is not None else None,
+            )
             for s in seqs
         ]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished,
-                             seqs[0].num_cached_tokens if seqs else 0, self._request_metrics(req))
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_ids,
+            outs,
+            req.finished,
+            seqs[0].num_cached_tokens if seqs else 0,
+            self._request_metrics(req),
+        )
 
     def _request_metrics(self, req: Request) -> dict:
         m = {}

@@ -45,15 +45,24 @@ def model_info(model: str | None) -> ModelInfo:
         entry[1] += n
         entry[2] = ti.bits_per_weight
     special = ", ".join(
-        f"{k}={tok.id_to_token(v)!r}({v})" for k, v in (("bos", tok.bos_id), ("eos", tok.eos_id)) if v is not None
+        f"{k}={tok.id_to_token(v)!r}({v})"
+        for k, v in (("bos", tok.bos_id), ("eos", tok.eos_id))
+        if v is not None
     )
     return ModelInfo(
-        str(loaded.path), loaded.format, a.model_type,
-        sum(t[1] for t in types.values()), a.num_hidden_layers, a.hidden_size,
+        str(loaded.path),
+        loaded.format,
+        a.model_type,
+        sum(t[1] for t in types.values()),
+        a.num_hidden_layers,
+        a.hidden_size,
         f"{a.num_attention_heads} query / {a.num_key_value_heads} KV, head_dim {a.head_dim}",
-        a.max_position_embeddings, file_size(loaded.path),
+        a.max_position_embeddings,
+        file_size(loaded.path),
         {k: tuple(v) for k, v in types.items()},
-        type(tok.backend.model).__name__, tok.vocab_size, special + f"; stop ids {sorted(tok.stop_ids)}",
+        type(tok.backend.model).__name__,
+        tok.vocab_size,
+        special + f"; stop ids {sorted(tok.stop_ids)}",
         tok.chat_template,
     )
 
@@ -69,9 +78,17 @@ def render_info(info: ModelInfo):
         ("layers / hidden", f"{info.layers} / {info.hidden_size}"),
         ("attention", info.heads),
         ("context length", str(info.context_length)),
-        ("file size", f"{info.file_bytes / 2**20:.1f} MiB ({info.bits_per_weight:.2f} bits/weight)"),
-        ("tensor types", ", ".join(f"{k}: {n} tensors, {p / 1e6:.1f}M params, {b:g} b/w"
-                                   for k, (n, p, b) in sorted(info.tensor_types.items()))),
+        (
+            "file size",
+            f"{info.file_bytes / 2**20:.1f} MiB ({info.bits_per_weight:.2f} bits/weight)",
+        ),
+        (
+            "tensor types",
+            ", ".join(
+                f"{k}: {n} tensors, {p / 1e6:.1f}M params, {b:g} b/w"
+                for k, (n, p, b) in sorted(info.tensor_types.items())
+            ),
+        ),
         ("tokenizer", f"{info.tokenizer}, vocab {info.vocab_size}"),
         ("special tokens", info.special_tokens),
         ("chat template", "yes" if info.chat_template else "none (ChatML fallback)"),

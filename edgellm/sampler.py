@@ -61,7 +61,9 @@ def process_logits(
     return filter_logits(logits, params)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
     """Draw one token from processed logits [V] (argmax when greedy)."""
     if params.greedy:
         return int(logits.argmax())

@@ -20,7 +20,9 @@ from edgellm.errors import InvalidParameterError, ModelNotFoundError
 def _package_dir(module: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"text package {pip_name!r} is not installed (pip install {pip_name})")
+        raise ModelNotFoundError(
+            f"text package {pip_name!r} is not installed (pip install {pip_name})"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 

@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass, field, fields
 
 import torch
+from edgellm.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from torch import nn
 
 from edgellm.errors import UnsupportedArchitectureError
-from edgellm.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
 # Per-architecture facts that HF configs leave implicit.
 FAMILY: dict[str, dict] = {
@@ -75,7 +75,11 @@ class ModelArgs:
 
     def to_hf_config(self) -> dict:
         """The config.json transformers expects for this model."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }
         cfg = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,

@@ -31,7 +31,11 @@ def tiny_hf_model(model_type: str = "llama", tie: bool = False, seed: int = 0, *
     cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}[model_type]
     cfg = getattr(transformers, cls)(**{**TINY, **over}, tie_word_embeddings=tie)
     torch.manual_seed(seed)
-    model_cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    model_cls = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "mistral": "MistralForCausalLM",
+    }
     hf = getattr(transformers, model_cls[model_type])(cfg).eval()
     with torch.no_grad():  # biases are zero-initialised; make them matter
         for name, p in hf.named_parameters():
@@ -42,9 +46,10 @@ def tiny_hf_model(model_type: str = "llama", tie: bool = False, seed: int = 0, *
 
 def ours_from_hf(hf, config: dict, dtype=torch.float32):
     """Our model built from the same weights as a transformers model."""
+    from edgellm.models.llama import ModelArgs
+
     from edgellm.loaders.model import LoadedModel, build_model
     from edgellm.loaders.weights import DictSource
-    from edgellm.models.llama import ModelArgs
 
     args = ModelArgs.from_hf_config(config)
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -81,7 +86,11 @@ def _byte_of(ch: str) -> int:
     # the GPT-2 byte<->unicode map: printable bytes map to themselves, others to 256+
     table = getattr(_byte_of, "table", None)
     if table is None:
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        bs = (
+            list(range(ord("!"), ord("~") + 1))
+            + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1))
+        )
         cs, n = bs[:], 0
         for b in range(256):
             if b not in bs:
@@ -93,9 +102,16 @@ def _byte_of(ch: str) -> int:
     return table[ch]
 
 
-def tiny_engine(model_type: str = "llama", kv_cache_mb: float = 2.0, eos_id: int | None = None, seed: int = 0, **cfg):
+def tiny_engine(
+    model_type: str = "llama",
+    kv_cache_mb: float = 2.0,
+    eos_id: int | None = None,
+    seed: int = 0,
+    **cfg,
+):
     """An Engine over a tiny random model (vocab 256) with a byte tokenizer."""
     from edgellm.backends.torch import TorchBackend
+
     from edgellm.engine import Engine, EngineConfig
 
     hf, config = tiny_hf_model(model_type, seed=seed)

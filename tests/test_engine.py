@@ -12,7 +12,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 256, (int(torch.randint(3, 90, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(1, 256, (int(torch.randint(3, 90, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def tokens(outs) -> list[list[int]]:
@@ -46,7 +49,9 @@ def test_prefix_cache_hit_gives_same_tokens():
     second = run_all(eng, [shared + [50, 51]], GREEDY)[0]
     assert second.num_cached_tokens == 40
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    cold = run_all(tiny_engine(block_size=8, enable_prefix_caching=False), [shared + [50, 51]], GREEDY)[0]
+    cold = run_all(
+        tiny_engine(block_size=8, enable_prefix_caching=False), [shared + [50, 51]], GREEDY
+    )[0]
     assert cold.outputs[0].token_ids == first.outputs[0].token_ids
     assert eng.block_manager.prefix_hit_rate > 0
 
@@ -112,7 +117,9 @@ def test_stop_token_ids_end_generation():
     eng = tiny_engine()
     free = run_all(eng, ["abc"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     stop_tok = free.token_ids[4]
-    out = run_all(eng, ["abc"], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]))[0]
+    out = run_all(
+        eng, ["abc"], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok])
+    )[0]
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].token_ids == free.token_ids[: free.token_ids.index(stop_tok) + 1]
 
@@ -126,7 +133,10 @@ def test_bad_requests_are_refused_clearly():
     with pytest.raises(InvalidParameterError, match="vocabulary"):
         eng.add_request([1, 2, 999])
     out = run_all(eng, [list(range(1, 60))], SamplingParams(temperature=0, max_tokens=100))[0]
-    assert out.outputs[0].finish_reason == "length" and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    assert (
+        out.outputs[0].finish_reason == "length"
+        and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    )
 
 
 def test_score_matches_prefill_logits():

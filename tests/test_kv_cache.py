@@ -9,9 +9,13 @@ from edgellm.sequence import Sequence
 
 BS = 4
 OPS = st.lists(
-    st.tuples(st.sampled_from(["new", "shared", "append", "fork", "free", "compute", "trim"]),
-              st.integers(0, 40), st.integers(0, 10)),
-    min_size=1, max_size=60,
+    st.tuples(
+        st.sampled_from(["new", "shared", "append", "fork", "free", "compute", "trim"]),
+        st.integers(0, 40),
+        st.integers(0, 10),
+    ),
+    min_size=1,
+    max_size=60,
 )
 
 
@@ -37,7 +41,7 @@ def test_random_operations_keep_invariants(ops, caching):
                     bm.append_slots(seq)
                     assert len(seq.block_table) >= bm.blocks_needed(len(seq))
                 else:
-                    del seq.token_ids[len(seq.token_ids) - (a % 5 + 1):]
+                    del seq.token_ids[len(seq.token_ids) - (a % 5 + 1) :]
             elif op == "fork":
                 child = Sequence("r", list(seq.token_ids), SamplingParams(), seq.num_prompt_tokens)
                 bm.fork(seq, child)

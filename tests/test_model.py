@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
 from edgellm.backends.torch import TorchBackend
-from edgellm.scheduler import ScheduledSeq
+
 from edgellm.sampling_params import SamplingParams
+from edgellm.scheduler import ScheduledSeq
 from edgellm.sequence import Sequence
 from tests.conftest import ours_from_hf, tiny_hf_model
 
@@ -16,13 +16,26 @@ CASES = [
     ("qwen2", False, {}),
     ("qwen2", True, {}),
     ("mistral", False, {}),
-    ("llama", False, {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                      "rope_theta": 500000.0}),
+    (
+        "llama",
+        False,
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
 ]
 
 
-def run_prefill(model, token_ids: list[int], block_size: int = 16, chunk: int | None = None) -> torch.Tensor:
+def run_prefill(
+    model, token_ids: list[int], block_size: int = 16, chunk: int | None = None
+) -> torch.Tensor:
     """All-position logits of one sequence through the paged backend, optionally chunked."""
     backend = TorchBackend(model, kv_cache_mb=4, block_size=block_size)
     seq = Sequence("t", list(token_ids), SamplingParams())
@@ -52,5 +65,9 @@ def test_chunked_prefill_and_block_size_do_not_change_logits():
     ours = ours_from_hf(hf, cfg)
     ids = list(range(3, 60))
     full = run_prefill(ours, ids)
-    torch.testing.assert_close(run_prefill(ours, ids, block_size=4, chunk=7), full, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(run_prefill(ours, ids, block_size=32, chunk=1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        run_prefill(ours, ids, block_size=4, chunk=7), full, atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        run_prefill(ours, ids, block_size=32, chunk=1), full, atol=1e-5, rtol=1e-5
+    )

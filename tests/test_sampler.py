@@ -32,7 +32,12 @@ def test_penalties():
     logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
     rep = process_logits(logits, SamplingParams(temperature=0, repetition_penalty=2.0), [0], [1])
     assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
-    pres = process_logits(logits, SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5), [3], [2, 2])
+    pres = process_logits(
+        logits,
+        SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
+        [3],
+        [2, 2],
+    )
     assert pres.tolist() == [2.0, -2.0, -1.0, 0.5]  # 1 - 1.0 - 0.5 * 2; prompt tokens untouched
 
 
@@ -51,8 +56,16 @@ def test_sampling_follows_the_distribution_and_seeds_reproduce():
 @pytest.mark.parametrize(
     "kw",
     [
-        {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": 2},
-        {"max_tokens": 0}, {"n": 0}, {"repetition_penalty": 0}, {"presence_penalty": 3}, {"seed": -1},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"min_p": 2},
+        {"max_tokens": 0},
+        {"n": 0},
+        {"repetition_penalty": 0},
+        {"presence_penalty": 3},
+        {"seed": -1},
         {"logprobs": 50},
     ],
 )

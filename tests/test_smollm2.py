@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "The three primary colors are",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village by the sea,",
     "Les mathématiques sont",
 ]
@@ -51,14 +51,21 @@ def test_greedy_matches_transformers_generate(llm, hf_model):
     for prompt, out in zip(PROMPTS, ours, strict=True):
         ids = llm.tokenizer.encode(prompt)
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                    min_new_tokens=32, pad_token_id=2)[0, len(ids):].tolist()
+            ref = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                min_new_tokens=32,
+                pad_token_id=2,
+            )[0, len(ids) :].tolist()
         assert out.outputs[0].token_ids == ref, prompt
 
 
 def test_chat_answers_paris(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=32))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+    )[0]
     assert "Paris" in out.text
     assert out.outputs[0].finish_reason == "stop"
 
@@ -76,13 +83,17 @@ def test_perplexity_agrees_with_llama_cpp(llm, smollm2_path):
 
     tokens = llm.tokenizer.encode(load_text("sotu"), add_special_tokens=False)[:1536]
     ours = perplexity(llm.score, tokens, ctx=512)
-    lcpp = Llama(model_path=str(smollm2_path), n_ctx=512, n_batch=512, logits_all=True, verbose=False)
+    lcpp = Llama(
+        model_path=str(smollm2_path), n_ctx=512, n_batch=512, logits_all=True, verbose=False
+    )
     nll, count = 0.0, 0
     for begin, end, first in windows(len(tokens), 512, 512):
         lcpp.reset()
         lcpp.eval(tokens[begin:end])
         logits = torch.from_numpy(np.array(lcpp.scores[: end - begin], dtype=np.float32))
-        logp = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(tokens[begin + 1 : end])[:, None])[:, 0]
+        logp = logits.log_softmax(-1)[:-1].gather(
+            1, torch.tensor(tokens[begin + 1 : end])[:, None]
+        )[:, 0]
         nll -= float(logp[first - begin - 1 :].double().sum())
         count += end - first
     theirs = math.exp(nll / count)
@@ -108,7 +119,9 @@ def test_convert_loads_in_transformers_with_identical_logits(tmp_path, llm):
     # our own loader reads the converted directory too, and the source GGUF is untouched
     from edgellm.loaders.model import load_model
 
-    assert load_model(out).args == llm.loaded.args.__class__(**{**_asdict(llm.loaded.args), "rope_scaling": None})
+    assert load_model(out).args == llm.loaded.args.__class__(
+        **{**_asdict(llm.loaded.args), "rope_scaling": None}
+    )
 
 
 def _asdict(args):

@@ -92,7 +92,9 @@ def _check_complete(reader, path: Path) -> None:
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise ModelFormatError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
+            raise ModelFormatError(
+                f"{path} is truncated: tensor {t.name} ends past the end of the file"
+            )
 
 
 def field_value(reader, key: str, default=None):
@@ -138,7 +140,10 @@ def gguf_model_args(reader) -> ModelArgs:
 def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # llama3-style scaling, stored precomputed
-            return {"rope_type": "freq_factors", "freq_factors": np.asarray(t.data, np.float32).tolist()}
+            return {
+                "rope_type": "freq_factors",
+                "freq_factors": np.asarray(t.data, np.float32).tolist(),
+            }
     kind = field_value(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -150,13 +155,17 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's row permutation of q/k weights (interleaved -> rotate-half)."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
 
 
 def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's permutation (rotate-half -> interleaved), the inverse of `unpermute_qk`."""
     rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
 
 
 class GGUFSource:
@@ -194,7 +203,11 @@ class GGUFSource:
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         w = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
         w = w.reshape(shape)
-        if self._permuted and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
-            heads = self.args.num_attention_heads if "q_proj" in name else self.args.num_key_value_heads
+        if self._permuted and name.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+        ):
+            heads = (
+                self.args.num_attention_heads if "q_proj" in name else self.args.num_key_value_heads
+            )
             w = unpermute_qk(w, heads)
         return w

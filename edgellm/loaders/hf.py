@@ -40,7 +40,9 @@ def open_safetensors(files: list[Path]) -> SafetensorsSource:
     try:
         return SafetensorsSource(files)
     except Exception as e:  # safetensors raises on truncated headers/data
-        raise ModelFormatError(f"corrupt or truncated safetensors file in {files[0].parent} ({e})") from e
+        raise ModelFormatError(
+            f"corrupt or truncated safetensors file in {files[0].parent} ({e})"
+        ) from e
 
 
 def hf_model_args(config: dict) -> ModelArgs:

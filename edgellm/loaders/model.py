@@ -65,7 +65,9 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32) -> torc
     expected = set(model.state_dict())
     missing = expected - set(weights)
     if missing:
-        raise ModelFormatError(f"{loaded.path} is missing tensors: {', '.join(sorted(missing)[:5])}")
+        raise ModelFormatError(
+            f"{loaded.path} is missing tensors: {', '.join(sorted(missing)[:5])}"
+        )
     model.load_state_dict({k: weights[k] for k in expected}, assign=True, strict=True)
     model.inv_freq = module.rope_inv_freq(loaded.args)  # buffers are not in the state dict
     if loaded.args.tie_word_embeddings:

@@ -75,7 +75,9 @@ class DictSource:
 
     def info(self, name: str) -> TensorInfo:
         t = self._t[name]
-        return TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size() * 8)
+        return TensorInfo(
+            name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.element_size() * 8
+        )
 
     def get(self, name: str) -> torch.Tensor:
         return self._t[name]
