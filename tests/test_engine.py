@@ -147,3 +147,16 @@ def test_score_matches_prefill_logits():
     torch.testing.assert_close(eng2.score(ids), lp, atol=1e-5, rtol=1e-5)
     assert lp.shape == (48,) and (lp <= 0).all()
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
+
+
+def test_prefix_cache_hit_gives_same_logits():
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5)
+    p = list(range(1, 45))
+    warm = tiny_engine(block_size=8)
+    run_all(warm, [p[:40] + [9]], params)
+    hit = run_all(warm, [p], params)[0]
+    cold = run_all(tiny_engine(block_size=8, enable_prefix_caching=False), [p], params)[0]
+    assert hit.num_cached_tokens == 40
+    for (lp_hit, top_hit), (lp_cold, top_cold) in zip(hit.outputs[0].logprobs, cold.outputs[0].logprobs, strict=True):
+        assert abs(lp_hit - lp_cold) < 1e-5
+        assert top_hit.keys() == top_cold.keys()
