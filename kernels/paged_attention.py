@@ -55,12 +55,24 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    """Causal attention of each sequence's queries over its cached context."""
+    """Causal attention of each sequence's queries over its cached context.
+
+    Single-token (decode) rows are batched into one call; multi-token (prefill)
+    chunks are attended one sequence at a time."""
     if meta.decode_only:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
     out = torch.empty_like(q)
     qsl = meta.query_start_loc
+    decodes = [b for b in range(len(meta.context_lens)) if qsl[b + 1] - qsl[b] == 1]
+    if len(decodes) > 1:
+        rows = torch.tensor([qsl[b] for b in decodes])
+        out[rows] = _decode_attention(
+            q[rows], k_cache, v_cache, meta.block_tables[decodes],
+            [meta.context_lens[b] for b in decodes], scale,
+        )  # fmt: skip
     for b, ctx in enumerate(meta.context_lens):
+        if len(decodes) > 1 and qsl[b + 1] - qsl[b] == 1:
+            continue
         s, e = qsl[b], qsl[b + 1]
         k = _gather(k_cache, meta.block_tables[b], ctx).to(q.dtype)  # [ctx, KVH, D]
         v = _gather(v_cache, meta.block_tables[b], ctx).to(q.dtype)
@@ -82,12 +94,19 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return o[0].transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All sequences decode one token: gather padded contexts and attend in one call."""
+def _decode_attention(
+    q: torch.Tensor,  # [B, H, D]: one query per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Sequences that decode one token: gather padded contexts and attend in one call."""
     bs = k_cache.shape[1]
-    lens = torch.tensor(meta.context_lens)
+    lens = torch.tensor(context_lens)
     n_blocks = -(-int(lens.max()) // bs)
-    table = meta.block_tables[:, :n_blocks]  # [B, nb]
+    table = block_tables[:, :n_blocks]  # [B, nb]
     k = k_cache[table].flatten(1, 2).to(q.dtype)  # [B, L, KVH, D]
     v = v_cache[table].flatten(1, 2).to(q.dtype)
     mask = torch.arange(k.shape[1])[None, :] < lens[:, None]  # [B, L]

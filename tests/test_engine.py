@@ -157,6 +157,8 @@ def test_prefix_cache_hit_gives_same_logits():
     hit = run_all(warm, [p], params)[0]
     cold = run_all(tiny_engine(block_size=8, enable_prefix_caching=False), [p], params)[0]
     assert hit.num_cached_tokens == 40
-    for (lp_hit, top_hit), (lp_cold, top_cold) in zip(hit.outputs[0].logprobs, cold.outputs[0].logprobs, strict=True):
+    for (lp_hit, top_hit), (lp_cold, top_cold) in zip(
+        hit.outputs[0].logprobs, cold.outputs[0].logprobs, strict=True
+    ):
         assert abs(lp_hit - lp_cold) < 1e-5
         assert top_hit.keys() == top_cold.keys()

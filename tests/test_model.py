@@ -71,3 +71,25 @@ def test_chunked_prefill_and_block_size_do_not_change_logits():
     torch.testing.assert_close(
         run_prefill(ours, ids, block_size=32, chunk=1), full, atol=1e-5, rtol=1e-5
     )
+
+
+def test_mixed_prefill_and_decode_batch_equals_separate():
+    """A step holding prefill chunks and decodes gives each row the logits it gets alone."""
+    hf, cfg = tiny_hf_model("llama")
+    ours = ours_from_hf(hf, cfg)
+    backend = TorchBackend(ours, kv_cache_mb=4, block_size=4)
+    seqs = [Sequence(str(i), list(range(1 + i, 14 + 3 * i)), SamplingParams()) for i in range(4)]
+    next_block = 0
+    for s in seqs:
+        n = -(-len(s) // 4)
+        s.block_table = list(range(next_block, next_block + n))
+        next_block += n
+    # sequences 0 and 2 have all but their last token cached already: they "decode"
+    for s in (seqs[0], seqs[2]):
+        backend.forward([ScheduledSeq(s, len(s) - 1)])
+        s.num_computed_tokens = len(s) - 1
+    batch = [ScheduledSeq(s, len(s) - s.num_computed_tokens) for s in seqs]
+    mixed = backend.forward(batch)
+    for s, row in zip(seqs, mixed, strict=True):
+        ref = run_prefill(ours, s.token_ids)[-1]
+        torch.testing.assert_close(row, ref, atol=1e-4, rtol=1e-4)
