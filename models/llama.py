@@ -25,6 +25,16 @@ FAMILY: dict[str, dict] = {
 }
 
 
+# Linear layers of a decoder layer in the order data flows through them; each stage's
+# inputs depend on the stages before it (GPTQ quantizes stage by stage).
+QUANT_STAGES: list[list[str]] = [
+    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    ["self_attn.o_proj"],
+    ["mlp.gate_proj", "mlp.up_proj"],
+    ["mlp.down_proj"],
+]
+
+
 @dataclass(slots=True)
 class ModelArgs:
     """Hyper-parameters, built from an HF config.json or from GGUF metadata."""

@@ -1,0 +1,85 @@
+"""Calibration data: token windows from built-in texts, a text file or a JSONL file.
+
+Built-in `sotu` calibrates on the addresses before 2000 (`sotu-calib`), so that
+perplexity on `sotu` (2000 on) is measured on text the quantizer never saw.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from edgellm.errors import InvalidParameterError
+from edgellm.texts import BUILTIN, text_documents
+
+CALIBRATION_SPLITS = {"sotu": "sotu-calib"}
+
+
+def calibration_documents(source: str, tokenizer=None, chat_template: bool = False) -> list[str]:
+    """Documents of a calibration source; JSONL lines are {"text": ...} or {"messages": [...]}."""
+    name = CALIBRATION_SPLITS.get(source, source)
+    if name in BUILTIN or not str(source).endswith(".jsonl"):
+        docs = text_documents(name)
+        if chat_template:
+            docs = [_chat(tokenizer, [{"role": "user", "content": d}]) for d in docs]
+        return docs
+    return _jsonl_documents(Path(source), tokenizer, chat_template)
+
+
+def _jsonl_documents(path: Path, tokenizer, chat_template: bool) -> list[str]:
+    if not path.is_file():
+        raise InvalidParameterError(f"calibration file {path} does not exist")
+    docs = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidParameterError(f"{path}:{i} is not valid JSON ({e.msg})") from e
+        if isinstance(rec, dict) and "messages" in rec:
+            docs.append(
+                _chat(tokenizer, rec["messages"])
+                if chat_template
+                else "\n".join(m.get("content", "") for m in rec["messages"])
+            )
+        elif isinstance(rec, dict) and isinstance(rec.get("text"), str):
+            docs.append(
+                _chat(tokenizer, [{"role": "user", "content": rec["text"]}])
+                if chat_template
+                else rec["text"]
+            )
+        else:
+            raise InvalidParameterError(f'{path}:{i} needs a "text" string or a "messages" list')
+    return docs
+
+
+def _chat(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+
+
+def calibration_tokens(
+    tokenizer,
+    source: str = "sotu",
+    n_samples: int = 128,
+    seq_len: int = 512,
+    seed: int = 0,
+    chat_template: bool = False,
+) -> list[list[int]]:
+    """`n_samples` windows of `seq_len` tokens, drawn at seeded random offsets."""
+    if n_samples < 1 or seq_len < 2:
+        raise InvalidParameterError("calibration needs at least 1 sample of at least 2 tokens")
+    docs = calibration_documents(source, tokenizer, chat_template)
+    stream: list[int] = []
+    for doc in docs:
+        stream += tokenizer.encode(doc, add_special_tokens=False)
+        if tokenizer.eos_id is not None:
+            stream.append(tokenizer.eos_id)
+    if len(stream) < seq_len:
+        raise InvalidParameterError(
+            f"calibration text {source!r} has {len(stream)} tokens, fewer than one sample of {seq_len}"
+        )
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, len(stream) - seq_len + 1) for _ in range(n_samples)]
+    return [stream[s : s + seq_len] for s in starts]

@@ -1,0 +1,87 @@
+"""Run a model one decoder layer at a time on calibration data, streaming weights.
+
+Only one layer's float weights are resident at once: each is read from the
+source (safetensors or GGUF, dequantized on the fly), used, and dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from edgellm.kernels.paged_attention import AttentionMetadata
+from edgellm.models import get_model_module
+from edgellm.models.llama import ModelArgs
+from torch import nn
+
+from edgellm.loaders.weights import WeightSource, layer_prefix
+
+
+def load_layer(args: ModelArgs, source: WeightSource, i: int) -> nn.Module:
+    """Decoder layer `i` in float32, its weights read from `source`."""
+    module = get_model_module(args.model_type)
+    with torch.device("meta"):
+        layer = module.DecoderLayer(args)
+    prefix = layer_prefix(i)
+    sd = {n[len(prefix) :]: source.get(n).float() for n in source.names() if n.startswith(prefix)}
+    layer.load_state_dict(sd, assign=True, strict=True)
+    return layer.eval()
+
+
+def embed(source: WeightSource, tokens: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n, L, D]
+    return source.get("model.embed_tokens.weight").float()[tokens]
+
+
+class LayerRunner:
+    """Calls a decoder layer on batches of equal-length sequences (one KV block each)."""
+
+    def __init__(self, args: ModelArgs, seq_len: int, chunk: int = 8):
+        module = get_model_module(args.model_type)
+        self.seq_len, self.chunk = seq_len, chunk
+        inv_freq = module.rope_inv_freq(args)
+        freqs = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), -1)[:, None, :]  # [L, 1, D]
+        self.cos, self.sin = emb.cos(), emb.sin()
+        shape = (chunk, seq_len, args.num_key_value_heads, args.head_dim)
+        self.kv = (torch.zeros(shape), torch.zeros(shape))
+
+    def _meta(self, n: int) -> AttentionMetadata:
+        L = self.seq_len
+        return AttentionMetadata(
+            torch.arange(n * L), list(range(0, (n + 1) * L, L)), [L] * n, torch.arange(n)[:, None]
+        )
+
+    @torch.inference_mode()
+    def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [N, L, D]
+        out = torch.empty_like(hidden)
+        for s, x in self.chunks(hidden):
+            n = x.shape[0]
+            cos, sin = self.cos.repeat(n, 1, 1), self.sin.repeat(n, 1, 1)
+            y = layer(x.reshape(n * self.seq_len, -1), cos, sin, self.kv, self._meta(n))
+            out[s : s + n] = y.view_as(x)
+        return out
+
+    def chunks(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        for s in range(0, hidden.shape[0], self.chunk):
+            yield s, hidden[s : s + self.chunk]
+
+
+@contextmanager
+def capture_inputs(layer: nn.Module, names: list[str], fn: Callable[[str, torch.Tensor], None]):
+    """Call fn(name, x [tokens, in]) with the input of each named linear during forwards."""
+    handles = []
+    for name in names:
+        mod = layer.get_submodule(name)
+        handles.append(
+            mod.register_forward_hook(lambda m, args, out, n=name: fn(n, args[0].detach()))
+        )
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def set_weight(layer: nn.Module, name: str, w: torch.Tensor) -> None:
+    layer.get_submodule(name).weight.data = w.to(torch.float32)

@@ -1,0 +1,118 @@
+"""Group-wise round-to-nearest (RTN) integer quantization: the common base of every method.
+
+Convention (compressed-tensors): a weight row is split into groups of `group_size`
+input columns; each group has a float `scale` and, when asymmetric, an integer
+`zero` point; integer codes are signed, q in [-2^(b-1), 2^(b-1) - 1], and
+
+    w ≈ (q - zero) * scale
+
+Symmetric groups have zero = 0. `group_size=-1` means one group per output row
+(per-channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgellm.errors import InvalidParameterError
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    bits: int = 4
+    group_size: int = 128  # -1: per-channel
+    symmetric: bool = True
+
+    def __post_init__(self):
+        if not 2 <= self.bits <= 8:
+            raise InvalidParameterError(f"bits must be in 2..8, got {self.bits}")
+        if self.group_size != -1 and self.group_size < 1:
+            raise InvalidParameterError(f"group size must be positive or -1 (per-channel), got {self.group_size}")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def groups(self, in_features: int) -> int:
+        """Number of groups per row; raises when the group size does not divide the row."""
+        g = in_features if self.group_size == -1 else self.group_size
+        if in_features % g:
+            raise InvalidParameterError(
+                f"group size {g} does not divide the {in_features} input features of a layer"
+            )
+        return in_features // g
+
+    def group_len(self, in_features: int) -> int:
+        return in_features // self.groups(in_features)
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """Integer codes and group parameters of one linear weight."""
+
+    q: torch.Tensor  # int8 [out, in], signed
+    scale: torch.Tensor  # float32 [out, n_groups]
+    zero: torch.Tensor | None  # int8 [out, n_groups], signed; None when symmetric
+    config: QuantConfig
+    error: float = 0.0  # mean squared reconstruction error against the float weight
+
+    def dequantize(self) -> torch.Tensor:  # float32 [out, in]
+        return dequantize(self.q, self.scale, self.zero, self.config)
+
+
+def compute_qparams(
+    w: torch.Tensor,  # [rows, group_len] (or [out, n_groups, group_len])
+    config: QuantConfig,
+    clip: torch.Tensor | float = 1.0,  # shrink the range (AWQ/GPTQ clip search)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) of each group from its value range: [...], [...]."""
+    w = w.float()
+    if config.symmetric:
+        amax = w.abs().amax(-1) * clip
+        # map [-amax, amax] onto [qmin, qmax] centred on zero (amax / 7.5 for 4 bits)
+        scale = (2 * amax / (config.qmax - config.qmin)).clamp(min=1e-10)
+        return scale, None
+    wmax = (w.amax(-1) * clip).clamp(min=0)
+    wmin = (w.amin(-1) * clip).clamp(max=0)
+    scale = ((wmax - wmin) / (config.qmax - config.qmin)).clamp(min=1e-10)
+    zero = (config.qmin - torch.round(wmin / scale)).clamp(config.qmin, config.qmax)
+    return scale, zero.to(torch.int8)
+
+
+def quantize_values(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, config: QuantConfig
+) -> torch.Tensor:
+    """Codes of w [..., group_len] given per-group scale/zero [...]: int8, signed."""
+    q = torch.round(w.float() / scale[..., None])
+    if zero is not None:
+        q = q + zero[..., None].float()
+    return q.clamp(config.qmin, config.qmax).to(torch.int8)
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, config: QuantConfig
+) -> torch.Tensor:
+    """(q - zero) * scale for q [out, in] and group parameters [out, n_groups]."""
+    out, inp = q.shape
+    g = config.group_len(inp)
+    qg = q.view(out, inp // g, g).float()
+    if zero is not None:
+        qg = qg - zero[..., None].float()
+    return (qg * scale[..., None].float()).view(out, inp)
+
+
+def quantize_rtn(w: torch.Tensor, config: QuantConfig, clip: torch.Tensor | float = 1.0) -> QuantizedWeight:
+    """Round-to-nearest of w [out, in]; returns the codes and the reconstruction error."""
+    out, inp = w.shape
+    wg = w.float().view(out, config.groups(inp), config.group_len(inp))
+    scale, zero = compute_qparams(wg, config, clip)
+    q = quantize_values(wg, scale, zero, config).view(out, inp)
+    qw = QuantizedWeight(q, scale, zero, config)
+    qw.error = float((qw.dequantize() - w.float()).pow(2).mean())
+    return qw
