@@ -1,0 +1,208 @@
+"""GPTQ (Frantar et al. 2022): quantize one linear layer column by column, error-compensated.
+
+Each input column is rounded in turn and its rounding error is spread over the columns not
+yet quantized through the inverse Hessian H^-1 of the layer's squared output error,
+H = 2/n * sum x x^T over calibration activations x. Updates are applied lazily in blocks of
+`block_size` columns (rank-`block_size` update of the rest of the weight per block).
+
+Codes, scales and zero points follow `quantize/rtn.py` (w = (q - zero) * scale, groups of
+`group_size` consecutive input columns) and come back in the original column order: the
+checkpoint format has no g_idx, so with `act_order` the group parameters are fixed up front
+("static groups") from the original weight and only the rounding order changes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, compute_qparams, quantize_values
+
+from edgellm.errors import EdgeLLMError, InvalidParameterError
+
+log = logging.getLogger(__name__)
+
+CHOLESKY_RETRIES = 3  # each retry multiplies the damping by 10
+
+
+class GPTQError(EdgeLLMError):
+    """GPTQ could not run on a layer (its Hessian is not usable even with more damping)."""
+
+
+class HessianAccumulator:
+    """Running H = 2/n * sum x x^T over the activations x fed to one linear layer."""
+
+    __slots__ = ("in_features", "n_samples", "_h")
+
+    def __init__(self, in_features: int):
+        self.in_features = in_features
+        self.n_samples = 0
+        # float64: outlier channels make off-diagonal sums cancel badly in float32
+        self._h = torch.zeros(in_features, in_features, dtype=torch.float64)  # [in, in]
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add activations x [..., in_features] (each row one sample)."""
+        if x.shape[-1] != self.in_features:
+            raise InvalidParameterError(
+                f"activations have {x.shape[-1]} features, the layer takes {self.in_features}"
+            )
+        x = x.detach().reshape(-1, self.in_features).double()  # [m, in]
+        m, n = x.shape[0], self.n_samples
+        if m == 0:
+            return
+        # running mean keeps H at the scale of one sample whatever n is
+        self._h.mul_(n / (n + m)).add_(x.T @ x, alpha=2 / (n + m))
+        self.n_samples = n + m
+
+    @property
+    def hessian(self) -> torch.Tensor:  # float32 [in, in]
+        return self._h.float()
+
+
+def output_error(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor) -> float:
+    """tr((W - Q) H (W - Q)^T) / out: with H = 2/n X^T X, 2/(n out) * ||X W^T - X Q^T||^2."""
+    d = (w.float() - wq.float()).double()  # [out, in]
+    return float(((d @ H.double()) * d).sum() / d.shape[0])
+
+
+def gptq_quantize(
+    w: torch.Tensor,  # [out, in]
+    H: torch.Tensor,  # [in, in]
+    config: QuantConfig,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+    static_groups: bool | None = None,
+) -> QuantizedWeight:
+    """GPTQ-quantize w given its input Hessian H; codes and group params in original column order.
+
+    `damp` * mean(diag H) is added to the diagonal (raised 10x per failed Cholesky, up to
+    CHOLESKY_RETRIES times, then GPTQError). `act_order` rounds columns by decreasing
+    diag(H). `static_groups` (default: same as act_order) fixes every group's scale/zero from
+    the original weight up front; otherwise a group's params come from the error-updated
+    weight when the loop reaches it. act_order needs static groups (no g_idx in the format).
+    Dead inputs (diag H == 0) get a zero weight column.
+    """
+    out, inp = _check_args(w, H, config, block_size, damp)
+    static = act_order if static_groups is None else static_groups
+    if act_order and not static:
+        raise InvalidParameterError("act_order needs static_groups: the format has no g_idx")
+    W, H = w.detach().float().clone(), H.detach().float().clone()  # [out, in], [in, in]
+    _drop_dead_inputs(W, H)
+    perm = _column_order(H, act_order)  # [in]: the i-th column quantized
+    loop = _ColumnLoop(W, config, perm, static)
+    Hinv = _inverse_hessian_factor(H[perm][:, perm], damp, (out, inp))  # [in, in] upper
+    q = loop.run(W[:, perm], Hinv, block_size)  # int8 [out, in], permuted order
+    qw = QuantizedWeight(q[:, torch.argsort(perm)], loop.scale, loop.zero, config)
+    qw.error = float((qw.dequantize() - w.float()).pow(2).mean())
+    return qw
+
+
+def _check_args(w, H, config: QuantConfig, block_size: int, damp: float) -> tuple[int, int]:
+    if w.dim() != 2:
+        raise InvalidParameterError(f"GPTQ takes a 2-D weight [out, in], got shape {list(w.shape)}")
+    out, inp = w.shape
+    if tuple(H.shape) != (inp, inp):
+        raise InvalidParameterError(
+            f"Hessian of shape {list(H.shape)} does not match a weight with {inp} inputs"
+        )
+    if block_size < 1 or damp < 0:
+        raise InvalidParameterError(f"need block_size >= 1 and damp >= 0, got {block_size}, {damp}")
+    config.groups(inp)  # raises when the group size does not divide the row
+    if not torch.isfinite(H).all():
+        raise GPTQError(f"Hessian of the [{out}, {inp}] layer has NaN/inf entries")
+    return out, inp
+
+
+def _drop_dead_inputs(W: torch.Tensor, H: torch.Tensor) -> None:
+    """Inputs that never fire carry no signal: zero their weights, make H invertible there."""
+    dead = torch.diag(H) == 0  # [in]
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+
+def _column_order(H: torch.Tensor, act_order: bool) -> torch.Tensor:  # int64 [in]
+    if not act_order:
+        return torch.arange(H.shape[0])
+    # stable: equal activations keep their original order (reproducible permutations)
+    return torch.argsort(torch.diag(H), descending=True, stable=True)
+
+
+def _inverse_hessian_factor(H: torch.Tensor, damp: float, shape: tuple[int, int]) -> torch.Tensor:
+    """Upper Cholesky factor U of (H + d I)^-1 (U^T U = H^-1), retrying with more damping."""
+    mean_diag = float(torch.diag(H).mean())
+    eye = torch.eye(H.shape[0], dtype=H.dtype)  # [in, in]
+    for attempt in range(CHOLESKY_RETRIES + 1):
+        U = _try_factor(H + damp * mean_diag * eye)
+        if U is not None:
+            return U
+        if attempt < CHOLESKY_RETRIES:
+            more = damp * 10 if damp > 0 else 0.01
+            log.warning("GPTQ %s: Cholesky failed at damping %g, retrying at %g", shape, damp, more)
+            damp = more
+    raise GPTQError(
+        f"Hessian of the [{shape[0]}, {shape[1]}] layer is not positive definite even with "
+        f"damping {damp:g} * mean(diag H) ({mean_diag:g}); check the calibration activations"
+    )
+
+
+def _try_factor(H: torch.Tensor) -> torch.Tensor | None:
+    L, info = torch.linalg.cholesky_ex(H)  # [in, in] lower
+    if info != 0 or not torch.isfinite(L).all():
+        return None
+    U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+    return U if info == 0 and torch.isfinite(U).all() else None
+
+
+class _ColumnLoop:
+    """The GPTQ column loop in quantization order, writing group params in original order."""
+
+    def __init__(self, W: torch.Tensor, config: QuantConfig, perm: torch.Tensor, static: bool):
+        out, inp = W.shape
+        self.config, self.g, self.static = config, config.group_len(inp), static
+        self.group_of = (perm // self.g).tolist()  # group of the i-th quantized column
+        n_groups = inp // self.g
+        self.scale = torch.zeros(out, n_groups)  # float32 [out, n_groups]
+        zero = None if config.symmetric else torch.zeros(out, n_groups, dtype=torch.int8)
+        self.zero = zero  # int8 [out, n_groups] | None
+        if static:  # from the original weight, exactly as RTN would
+            self.scale, self.zero = compute_qparams(W.view(out, n_groups, self.g), config)
+
+    def run(self, W: torch.Tensor, Hinv: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Quantize W [out, in] (modified in place) in column order; int8 codes [out, in]."""
+        self.W, self.Hinv = W, Hinv
+        q = torch.empty(W.shape, dtype=torch.int8)  # [out, in]
+        for i1 in range(0, W.shape[1], block_size):
+            i2 = min(i1 + block_size, W.shape[1])
+            err = self._block(i1, i2, q)  # [out, i2 - i1]
+            W[:, i2:] -= err @ Hinv[i1:i2, i2:]  # lazy update of the columns after the block
+        return q
+
+    def _block(self, i1: int, i2: int, q: torch.Tensor) -> torch.Tensor:
+        W, Hinv = self.W, self.Hinv
+        err = torch.zeros(W.shape[0], i2 - i1)  # [out, block]: scaled rounding errors
+        for j in range(i1, i2):
+            scale, zero = self._params(j, i1, i2, err)  # [out], [out] | None
+            q[:, j] = quantize_values(W[:, j, None], scale, zero, self.config)[:, 0]
+            wq = q[:, j].float() if zero is None else q[:, j].float() - zero.float()
+            e = (W[:, j] - wq * scale) / Hinv[j, j]  # [out]
+            W[:, j + 1 : i2] -= e[:, None] * Hinv[j, j + 1 : i2]  # OBS update inside the block
+            err[:, j - i1] = e
+        return err
+
+    def _params(self, j: int, i1: int, i2: int, err: torch.Tensor):
+        """Scale/zero [out] of column j's group; lazy groups are fitted at their first column."""
+        k = self.group_of[j]
+        if not self.static and j % self.g == 0:
+            scale, zero = compute_qparams(self._current(j, j + self.g, i1, i2, err), self.config)
+            self.scale[:, k] = scale
+            if zero is not None:
+                self.zero[:, k] = zero
+        return self.scale[:, k], None if self.zero is None else self.zero[:, k]
+
+    def _current(self, j: int, end: int, i1: int, i2: int, err: torch.Tensor) -> torch.Tensor:
+        """Error-updated W[:, j:end] [out, end - j], including this block's pending updates."""
+        if end <= i2:
+            return self.W[:, j:end]
+        pending = err[:, : j - i1] @ self.Hinv[i1:j, i2:end]  # [out, end - i2]
+        return torch.cat([self.W[:, j:i2], self.W[:, i2:end] - pending], dim=1)
