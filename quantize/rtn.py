@@ -48,6 +48,21 @@ class QuantConfig:
             )
         return in_features // g
 
+    def for_features(self, in_features: int) -> QuantConfig:
+        """The config a layer with `in_features` inputs uses: this one when the group size
+        divides it, else the largest smaller power of two >= 32 that does (so GGUF blocks
+        and MLX groups stay exact), e.g. 64 for SmolLM2's 576-wide layers at 128."""
+        g = self.group_size
+        if g == -1 or in_features % g == 0:
+            return self
+        for cand in (256, 128, 64, 32):
+            if cand < g and in_features % cand == 0:
+                return QuantConfig(self.bits, cand, self.symmetric)
+        raise InvalidParameterError(
+            f"group size {g} does not divide the {in_features} input features of a layer, "
+            "and no smaller power of two >= 32 does; use --group-size -1 (per-channel)"
+        )
+
     def group_len(self, in_features: int) -> int:
         return in_features // self.groups(in_features)
 

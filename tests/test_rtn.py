@@ -47,3 +47,12 @@ def test_bad_configs(kw):
 def test_group_size_must_divide_inputs():
     with pytest.raises(InvalidParameterError, match="does not divide the 100 input features"):
         quantize_rtn(torch.randn(4, 100), QuantConfig(4, 64))
+
+
+def test_group_size_falls_back_per_layer_to_a_power_of_two_divisor():
+    cfg = QuantConfig(4, 128)
+    assert cfg.for_features(1536) is cfg
+    assert cfg.for_features(576) == QuantConfig(4, 64)  # SmolLM2's hidden size
+    assert QuantConfig(4, -1).for_features(100).group_size == -1
+    with pytest.raises(InvalidParameterError, match="per-channel"):
+        cfg.for_features(100)
