@@ -1,0 +1,249 @@
+"""Activation-aware weight quantization (AWQ, Lin et al. 2023) of one decoder layer.
+
+Input channels with large activations (mean |x|) matter most, and rounding their
+weights costs the most output error. AWQ multiplies those weight columns by s > 1
+before rounding and divides the op that feeds them (a norm or a linear) by s, so
+the float function is unchanged while the rounding error on salient channels
+shrinks. Per group of linears that share one input, s = mean|x|^alpha with alpha
+grid-searched to minimise the quantized output error; then the range of every
+weight group is clipped by a searched factor.
+
+The caller captures each linear's float inputs from the float layer; the layer's
+float weights are left scaled, so the caller can run it again (or its quantized
+twin) to produce the next layer's inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from edgellm.quantize.rtn import (
+    QuantConfig,
+    QuantizedWeight,
+    compute_qparams,
+    dequantize,
+    quantize_rtn,
+    quantize_values,
+)
+from torch import nn
+from torch.func import functional_call
+
+from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleGroup:
+    """Linears that share one input, and the op before them that absorbs 1/s."""
+
+    prev: str  # a norm (weight /= s) or a linear (output rows and bias /= s)
+    linears: list[str]  # weight columns *= s; paths relative to the decoder layer
+    inspect: str | None = None  # module whose output measures the loss; None: the linears'
+
+
+_LLAMA_GROUPS = [
+    ScaleGroup("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+    # attention mixes v per channel, so v's rows can absorb 1/s when each o input is one v
+    # output (no GQA); checked at run time from the shapes
+    ScaleGroup("self_attn.v_proj", ["self_attn.o_proj"]),
+    ScaleGroup("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], inspect="mlp"),
+    ScaleGroup("mlp.up_proj", ["mlp.down_proj"]),
+]
+
+SCALE_GROUPS: dict[str, list[ScaleGroup]] = {
+    "llama": _LLAMA_GROUPS,
+    "mistral": _LLAMA_GROUPS,
+    "qwen2": _LLAMA_GROUPS,
+}
+
+
+def awq_quantize_layer(
+    layer: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    config: QuantConfig,
+    model_type: str,
+    n_grid: int = 20,
+    clip_grid: int = 20,
+    max_shrink: float = 0.5,
+    sample_tokens: int | None = 4096,
+) -> dict[str, QuantizedWeight]:
+    """AWQ-quantize every linear of `layer`; returns the codes per linear name.
+
+    inputs: float activations entering each group's first linear, [n_tokens, in],
+    captured from the float layer before any scaling. The layer is modified in
+    place: scales are folded into its norms/linears (float function unchanged).
+    n_grid: alpha steps in [0, 1); clip_grid: clip factors in [1 - max_shrink, 1]
+    (max_shrink=0 disables clipping); sample_tokens: evenly spaced tokens used for
+    the searches (None: all).
+    """
+    groups = _scale_groups(model_type)
+    _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
+    with torch.no_grad():
+        # check everything before the first fold, so a bad call leaves the layer as it was
+        xs = [_group_input(inputs, group, sample_tokens) for group in groups]  # [n, in] each
+        for name in (name for group in groups for name in group.linears):
+            config.groups(layer.get_submodule(name).in_features)
+        scales = [
+            _scale_group(layer, g, x, config, n_grid) for g, x in zip(groups, xs, strict=True)
+        ]
+        out: dict[str, QuantizedWeight] = {}
+        for group, x, s in zip(groups, xs, scales, strict=True):  # after all folds: final weights
+            x = x / s  # what the group's linears see once 1/s is folded before them
+            for name in group.linears:
+                w = layer.get_submodule(name).weight
+                clip = search_clip(w, x, config, clip_grid, max_shrink)
+                out[name] = quantize_rtn(w, config, clip=clip)
+    return out
+
+
+def _scale_groups(model_type: str) -> list[ScaleGroup]:
+    if model_type not in SCALE_GROUPS:
+        raise UnsupportedArchitectureError(
+            f"AWQ does not know the layers of {model_type!r} (supported: {', '.join(SCALE_GROUPS)})"
+        )
+    return SCALE_GROUPS[model_type]
+
+
+def _check_options(n_grid: int, clip_grid: int, max_shrink: float, sample_tokens: int | None):
+    if n_grid < 1 or clip_grid < 1:
+        raise InvalidParameterError(
+            f"grids need >= 1 step, got n_grid={n_grid}, clip_grid={clip_grid}"
+        )
+    if not 0 <= max_shrink < 1:
+        raise InvalidParameterError(f"max_shrink must be in [0, 1), got {max_shrink}")
+    if sample_tokens is not None and sample_tokens < 1:
+        raise InvalidParameterError(f"sample_tokens must be positive or None, got {sample_tokens}")
+
+
+def _group_input(inputs: dict[str, torch.Tensor], group: ScaleGroup, n: int | None) -> torch.Tensor:
+    """The group's float inputs [n_tokens, in] as float32, subsampled to n tokens."""
+    name = group.linears[0]
+    if name not in inputs:
+        raise InvalidParameterError(f"AWQ needs the captured inputs of {name!r}")
+    x = inputs[name].detach().float()
+    x = x.reshape(-1, x.shape[-1])  # [n_tokens, in]
+    if n is None or x.shape[0] <= n:
+        return x
+    idx = torch.linspace(0, x.shape[0] - 1, n).round().long()  # evenly spaced
+    return x[idx]
+
+
+def _scale_group(
+    layer: nn.Module, group: ScaleGroup, x: torch.Tensor, config: QuantConfig, n_grid: int
+) -> torch.Tensor:  # s [in]
+    """Search the group's scales and fold them in; ones when the shapes forbid folding."""
+    prev = layer.get_submodule(group.prev)
+    linears = [layer.get_submodule(n) for n in group.linears]
+    width = prev.out_features if isinstance(prev, nn.Linear) else prev.weight.numel()
+    if any(lin.in_features != width for lin in linears):
+        why = " (grouped-query attention)" if isinstance(prev, nn.Linear) else ""
+        log.info(
+            "AWQ skips %s -> %s: %d outputs cannot scale %d inputs%s",
+            group.prev, ",".join(group.linears), width, linears[0].in_features, why,
+        )  # fmt: skip
+        return torch.ones(x.shape[1], device=x.device)
+    s = search_scale(layer, group, x, config, n_grid)
+    fold_scale(prev, linears, s)
+    return s
+
+
+def search_scale(
+    layer: nn.Module, group: ScaleGroup, x: torch.Tensor, config: QuantConfig, n_grid: int
+) -> torch.Tensor:  # s [in]
+    """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE."""
+    linears = [layer.get_submodule(n) for n in group.linears]
+    weights = [lin.weight.float() for lin in linears]  # [out_i, in]
+    loss_fn = _loss_fn(layer, group, x, weights)
+    x_mean = x.abs().mean(0)  # [in]
+    losses, cands = [], []
+    for i in range(n_grid):
+        s = x_mean.pow(i / n_grid).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()  # centre around 1 so neither side overflows
+        losses.append(loss_fn([fake_quantize(w * s, config) / s for w in weights]))
+        cands.append(s)
+    best = min(range(n_grid), key=lambda i: (losses[i], i))  # alpha 0 (plain RTN) on ties
+    ratio = losses[best] / losses[0] if losses[0] > 0 else 1.0
+    log.info("AWQ %s: alpha %.2f, output error %.3fx RTN", group.prev, best / n_grid, ratio)
+    return cands[best]
+
+
+def _loss_fn(layer: nn.Module, group: ScaleGroup, x: torch.Tensor, weights: list[torch.Tensor]):
+    """Output MSE of candidate weights (acting on the unscaled x) against the float weights."""
+    if group.inspect is None:
+        # mean over tokens and outputs of (x d^T)^2 = sum((d @ G) * d) / n_out with G = x^T x / n
+        gram = x.T @ x / x.shape[0]  # [in, in]
+        n_out = sum(w.shape[0] for w in weights)
+
+        def loss(cand: list[torch.Tensor]) -> float:
+            ds = [c - w for c, w in zip(cand, weights, strict=True)]
+            return float(sum(((d @ gram) * d).sum() for d in ds) / n_out)
+
+        return loss
+    module = layer.get_submodule(group.inspect)
+    prefix = group.inspect + "."
+    names = [n.removeprefix(prefix) + ".weight" for n in group.linears]
+    dtype = layer.get_submodule(group.linears[0]).weight.dtype
+    xd = x.to(dtype)
+    ref = module(xd).float()
+
+    def loss(cand: list[torch.Tensor]) -> float:
+        params = {n: c.to(dtype) for n, c in zip(names, cand, strict=True)}
+        return float((functional_call(module, params, (xd,)).float() - ref).pow(2).mean())
+
+    return loss
+
+
+def fold_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
+    """W <- W * s (input columns), prev <- prev / s: the float function is unchanged."""
+    _mul_(prev.weight, (1 / s)[:, None] if isinstance(prev, nn.Linear) else 1 / s)
+    if getattr(prev, "bias", None) is not None:
+        _mul_(prev.bias, 1 / s)
+    for lin in linears:
+        _mul_(lin.weight, s[None, :])
+
+
+def _mul_(p: torch.Tensor, factor: torch.Tensor) -> None:
+    p.copy_(p.float() * factor)  # in float32 whatever p's dtype, one rounding
+
+
+def fake_quantize(w: torch.Tensor, config: QuantConfig, clip: torch.Tensor | float = 1.0):
+    """RTN quantize-dequantize of w [out, in] (no error bookkeeping): float32 [out, in]."""
+    out, inp = w.shape
+    wg = w.float().view(out, config.groups(inp), config.group_len(inp))
+    scale, zero = compute_qparams(wg, config, clip)
+    q = quantize_values(wg, scale, zero, config).view(out, inp)
+    return dequantize(q, scale, zero, config)
+
+
+def search_clip(
+    w: torch.Tensor, x: torch.Tensor, config: QuantConfig, clip_grid: int, max_shrink: float
+) -> torch.Tensor | float:  # [out, n_groups] or 1.0
+    """Per weight group, the range shrink in [1 - max_shrink, 1] minimising its output error.
+
+    w [out, in] is the final (scaled) weight and x [n, in] its inputs. A group's error
+    is the mean over tokens of its partial output x_g . (w_g - q(w_g))^2, computed from
+    the per-group Gram matrix, so memory and time do not grow with the token count.
+    """
+    if max_shrink == 0 or clip_grid < 2:
+        return 1.0
+    out, inp = w.shape
+    n_groups, g = config.groups(inp), config.group_len(inp)
+    xg = x.float().view(-1, n_groups, g).transpose(0, 1)  # [G, n, g]
+    gram = xg.transpose(1, 2) @ xg / x.shape[0]  # [G, g, g]
+    best_err = torch.full((out, n_groups), float("inf"), device=w.device)
+    best_clip = torch.ones(out, n_groups, device=w.device)
+    for c in torch.linspace(1.0, 1.0 - max_shrink, clip_grid).tolist():
+        d = (fake_quantize(w, config, c) - w.float()).view(out, n_groups, g)
+        err = group_output_error(d, gram)  # [out, G]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_clip = torch.where(better, c, best_clip)
+    return best_clip
+
+
+def group_output_error(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """mean_t (x_g(t) . d_g)^2 = d_g^T G_g d_g for d [out, G, g], gram [G, g, g]: [out, G]."""
+    return (torch.einsum("ogk,gkl->ogl", d, gram) * d).sum(-1)

@@ -1,0 +1,261 @@
+"""AWQ on one tiny random decoder layer whose inputs have outlier channels."""
+
+import copy
+import logging
+from functools import partial
+
+import pytest
+import torch
+from edgellm.quantize.awq import (
+    SCALE_GROUPS,
+    _loss_fn,
+    awq_quantize_layer,
+    fake_quantize,
+    group_output_error,
+    search_clip,
+)
+from edgellm.quantize.rtn import QuantConfig, quantize_rtn
+from torch import nn
+
+from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
+from tests.conftest import ours_from_hf, tiny_hf_model
+
+N_TOKENS = 256
+MHA = {"num_key_value_heads": 4}  # the tiny default has 4 heads over 2 KV heads
+OUTLIERS = [3, 17, 40]  # hidden channels 20-50x larger, as in real LLM activations
+
+CONFIGS = [
+    QuantConfig(bits=4, group_size=32, symmetric=True),
+    QuantConfig(bits=4, group_size=32, symmetric=False),
+    QuantConfig(bits=3, group_size=32, symmetric=False),
+]
+
+
+def tiny_layer(model_type: str = "llama", **over) -> nn.Module:
+    hf, cfg = tiny_hf_model(model_type, **over)
+    return ours_from_hf(hf, cfg).model.layers[0]
+
+
+def layer_input(hidden: int, seed: int) -> torch.Tensor:  # [T, D]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_TOKENS, hidden, generator=g)
+    x[:, OUTLIERS] *= torch.tensor([20.0, 35.0, 50.0])
+    return x
+
+
+def attention_mix(seed: int) -> torch.Tensor:  # [T, T], causal rows sum to 1
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(N_TOKENS, N_TOKENS, generator=g) * 2
+    return scores.masked_fill(torch.ones_like(scores).triu(1).bool(), -torch.inf).softmax(-1)
+
+
+def o_proj_input(layer: nn.Module, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:  # [T, H*hd]
+    """Attention output with one mixing matrix for all heads: each head reads its KV head."""
+    attn = layer.self_attn
+    v = attn.v_proj(layer.input_layernorm(x)).view(-1, attn.n_kv_heads, attn.head_dim)
+    v = v.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)  # [T, H, hd]
+    return mix @ v.flatten(1)
+
+
+def group_outputs(layer: nn.Module, x, o_in, h, v_scale: torch.Tensor | float = 1.0) -> dict:
+    """Each group's output on the float inputs of the group (errors do not propagate).
+
+    v_scale undoes the 1/s that AWQ folds into v_proj's rows (o_proj's columns absorb s).
+    """
+    attn, xn = layer.self_attn, layer.input_layernorm(x)
+    qkv = torch.cat([attn.q_proj(xn), attn.k_proj(xn), attn.v_proj(xn) * v_scale], -1)
+    return {"qkv": qkv, "o": attn.o_proj(o_in), "mlp": layer.mlp(layer.post_attention_layernorm(h))}
+
+
+def _keep_input(inputs: dict, name: str, module: nn.Module, args: tuple) -> None:
+    inputs.setdefault(name, args[0])
+
+
+def capture_inputs(layer: nn.Module, x: torch.Tensor, mix: torch.Tensor) -> dict:
+    """Inputs of every linear, captured by forward hooks while the float layer runs."""
+    inputs, hooks = {}, []
+    for name, mod in layer.named_modules():
+        if isinstance(mod, nn.Linear):
+            hooks.append(mod.register_forward_pre_hook(partial(_keep_input, inputs, name)))
+    o_in = o_proj_input(layer, x, mix)
+    h = x + layer.self_attn.o_proj(o_in)
+    group_outputs(layer, x, o_in, h)
+    for hook in hooks:
+        hook.remove()
+    return inputs
+
+
+def with_weights(layer: nn.Module, weights: dict) -> nn.Module:
+    """A copy of layer whose linears carry the given (dequantized) weights."""
+    layer = copy.deepcopy(layer)
+    for name, w in weights.items():
+        layer.get_submodule(name).weight.copy_(w)
+    return layer
+
+
+def v_scale(orig: nn.Module, layer: nn.Module) -> torch.Tensor | float:
+    """The s folded from o_proj's columns into v_proj's rows (1 under GQA: nothing folded)."""
+    o, o_orig = layer.self_attn.o_proj.weight, orig.self_attn.o_proj.weight
+    if o.shape[1] != layer.self_attn.v_proj.out_features:
+        return 1.0
+    return o.norm(dim=0) / o_orig.norm(dim=0)  # [H*hd]
+
+
+def relative_errors(ref: dict, got: dict) -> dict:
+    return {k: float((got[k] - ref[k]).pow(2).mean() / ref[k].pow(2).mean()) for k in ref}
+
+
+def eval_outputs(qlayer: nn.Module, flayer: nn.Module, orig: nn.Module, x, mix) -> dict:
+    """Group outputs of qlayer, each group fed what the float layer flayer gives it."""
+    o_in = o_proj_input(flayer, x, mix)  # AWQ's o_proj reads its own scaled v_proj
+    h = x + orig.self_attn.o_proj(o_proj_input(orig, x, mix))
+    return group_outputs(qlayer, x, o_in, h, v_scale(orig, flayer))
+
+
+@torch.no_grad()
+def run_awq(config: QuantConfig, model_type: str, max_shrink: float = 0.5, **over):
+    """(original layer, AWQ-scaled float layer, its dequantized twin, the RTN twin of orig)."""
+    layer = tiny_layer(model_type, **over)
+    hidden = layer.input_layernorm.weight.numel()
+    inputs = capture_inputs(layer, layer_input(hidden, seed=0), attention_mix(seed=1))
+    orig = copy.deepcopy(layer)
+    rtn = {n: quantize_rtn(orig.get_submodule(n).weight, config).dequantize() for n in inputs}
+    qws = awq_quantize_layer(layer, inputs, config, model_type, max_shrink=max_shrink)
+    awq = with_weights(layer, {n: qw.dequantize() for n, qw in qws.items()})
+    return orig, layer, awq, with_weights(orig, rtn)
+
+
+@torch.no_grad()
+def awq_vs_rtn(config: QuantConfig, model_type: str = "llama", **over) -> dict:
+    """Per group, output error of the AWQ layer / that of plain RTN, on held-out tokens."""
+    orig, layer, awq, rtn = run_awq(config, model_type, **over)
+    x, mix = layer_input(orig.input_layernorm.weight.numel(), seed=2), attention_mix(seed=3)
+    ref = eval_outputs(orig, orig, orig, x, mix)
+    rtn_err = relative_errors(ref, eval_outputs(rtn, orig, orig, x, mix))
+    awq_err = relative_errors(ref, eval_outputs(awq, layer, orig, x, mix))
+    return {k: awq_err[k] / rtn_err[k] for k in ref}
+
+
+def config_id(c: QuantConfig) -> str:
+    return f"{c.bits}b-g{c.group_size}-{'sym' if c.symmetric else 'asym'}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+@pytest.mark.parametrize(
+    "model_type,over", [("llama", MHA), ("qwen2", {})], ids=["llama-mha", "qwen2-gqa"]
+)
+def test_awq_beats_rtn_with_outliers(config, model_type, over):
+    ratios = awq_vs_rtn(config, model_type, **over)
+    print(config_id(config), model_type, {k: round(v, 3) for k, v in ratios.items()})
+    assert all(r < 0.8 for r in ratios.values()), ratios
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).norm() / b.norm()).detach())
+
+
+@pytest.mark.parametrize(
+    "model_type,over", [("llama", MHA), ("qwen2", {})], ids=["llama-mha", "qwen2-gqa"]
+)
+def test_folding_keeps_the_float_function(model_type, over):
+    config = QuantConfig(bits=4, group_size=32)
+    orig, layer, _, _ = run_awq(config, model_type, max_shrink=0, **over)
+    x, mix = layer_input(orig.input_layernorm.weight.numel(), seed=2), attention_mix(seed=3)
+    with torch.no_grad():
+        ref = eval_outputs(orig, orig, orig, x, mix)
+        got = eval_outputs(layer, layer, orig, x, mix)
+    assert {k: rel(got[k], ref[k]) for k in ref} == pytest.approx({k: 0 for k in ref}, abs=1e-4)
+    assert rel(layer.input_layernorm.weight, orig.input_layernorm.weight) > 0.01  # it did scale
+
+
+def test_no_clip_returns_plain_rtn_of_the_scaled_weights():
+    config = QuantConfig(bits=4, group_size=32, symmetric=False)
+    _, layer, awq, _ = run_awq(config, "llama", max_shrink=0)
+    for name, mod in awq.named_modules():
+        if isinstance(mod, nn.Linear):
+            expect = quantize_rtn(layer.get_submodule(name).weight.detach(), config).dequantize()
+            torch.testing.assert_close(mod.weight, expect, rtol=0, atol=0)
+
+
+def test_gqa_skips_v_to_o_and_mha_applies_it(caplog):
+    config = QuantConfig(bits=4, group_size=32)
+    with caplog.at_level(logging.INFO, logger="edgellm.quantize.awq"):
+        orig, layer, _, _ = run_awq(config, "qwen2")  # 4 heads over 2 KV heads
+    assert "skips self_attn.v_proj -> self_attn.o_proj" in caplog.text
+    assert torch.equal(layer.self_attn.o_proj.weight, orig.self_attn.o_proj.weight)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="edgellm.quantize.awq"):
+        orig, layer, _, _ = run_awq(config, "llama", **MHA)
+    assert "skips" not in caplog.text
+    assert rel(layer.self_attn.o_proj.weight, orig.self_attn.o_proj.weight) > 0.01
+
+
+def test_unknown_model_type_is_rejected():
+    layer = tiny_layer("llama")
+    with pytest.raises(UnsupportedArchitectureError, match="'gemma'.*llama, mistral, qwen2"):
+        awq_quantize_layer(layer, {}, QuantConfig(), "gemma")
+
+
+@pytest.mark.parametrize(
+    "keep,config,match",
+    [
+        (["self_attn.q_proj"], QuantConfig(group_size=32), "self_attn.o_proj"),
+        (None, QuantConfig(group_size=48), "group size 48"),
+    ],
+    ids=["missing-inputs", "bad-group-size"],
+)
+def test_bad_calls_are_rejected_before_any_change(keep, config, match):
+    layer = tiny_layer("llama")
+    inputs = capture_inputs(layer, layer_input(64, seed=0), attention_mix(seed=1))
+    inputs = {k: v for k, v in inputs.items() if keep is None or k in keep}
+    before = copy.deepcopy(layer.state_dict())
+    with pytest.raises(InvalidParameterError, match=match):
+        awq_quantize_layer(layer, inputs, config, "llama")
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+
+
+def test_scale_groups_name_real_modules():
+    layer = tiny_layer("qwen2")
+    assert SCALE_GROUPS["llama"] is SCALE_GROUPS["mistral"] is SCALE_GROUPS["qwen2"]
+    for group in SCALE_GROUPS["qwen2"]:
+        for name in [group.prev, *group.linears, *([group.inspect] if group.inspect else [])]:
+            layer.get_submodule(name)
+
+
+def test_group_error_from_gram_matches_token_outputs():
+    g = torch.Generator().manual_seed(0)
+    x, d = (
+        torch.randn(50, 3, 8, generator=g),
+        torch.randn(5, 3, 8, generator=g),
+    )  # [n, G, g], [out, G, g]
+    gram = torch.einsum("ngk,ngl->gkl", x, x) / x.shape[0]
+    direct = torch.einsum("ngk,ogk->nog", x, d).pow(2).mean(0)  # partial outputs per group
+    torch.testing.assert_close(group_output_error(d, gram), direct)
+
+
+def test_scale_loss_from_gram_matches_output_mse():
+    layer = tiny_layer("llama")
+    group = SCALE_GROUPS["llama"][0]
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    ws = [layer.get_submodule(n).weight.detach() for n in group.linears]
+    cands = [fake_quantize(w, QuantConfig(bits=3, group_size=16)) for w in ws]
+    direct = torch.cat([x @ (c - w).T for c, w in zip(cands, ws, strict=True)], -1).pow(2).mean()
+    assert _loss_fn(layer, group, x, ws)(cands) == pytest.approx(float(direct), rel=1e-4)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_fake_quantize_matches_rtn_and_clip_never_hurts(config):
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(16, 64, generator=g), torch.randn(100, 64, generator=g)
+    clip = search_clip(w, x, config, clip_grid=10, max_shrink=0.5)
+    torch.testing.assert_close(
+        fake_quantize(w, config, clip), quantize_rtn(w, config, clip).dequantize()
+    )
+    assert search_clip(w, x, config, clip_grid=10, max_shrink=0) == 1.0
+    xg = x.view(100, 2, 32)
+    gram = torch.einsum("ngk,ngl->gkl", xg, xg) / 100
+    err = {
+        c: group_output_error((fake_quantize(w, config, c) - w).view(16, 2, 32), gram)
+        for c in (1.0, clip)
+    }
+    assert (err[clip] <= err[1.0]).all() and err[clip].sum() < err[1.0].sum()
