@@ -85,7 +85,7 @@ def awq_quantize_layer(
         # check everything before the first fold, so a bad call leaves the layer as it was
         xs = [_group_input(inputs, group, sample_tokens) for group in groups]  # [n, in] each
         for name in (name for group in groups for name in group.linears):
-            config.groups(layer.get_submodule(name).in_features)
+            config.for_features(layer.get_submodule(name).in_features)
         scales = [
             _scale_group(layer, g, x, config, n_grid) for g, x in zip(groups, xs, strict=True)
         ]
@@ -95,7 +95,7 @@ def awq_quantize_layer(
             for name in group.linears:
                 w = layer.get_submodule(name).weight
                 clip = search_clip(w, x, config, clip_grid, max_shrink)
-                out[name] = quantize_rtn(w, config, clip=clip)
+                out[name] = quantize_rtn(w, config.for_features(w.shape[1]), clip=clip)
     return out
 
 
@@ -212,6 +212,7 @@ def _mul_(p: torch.Tensor, factor: torch.Tensor) -> None:
 def fake_quantize(w: torch.Tensor, config: QuantConfig, clip: torch.Tensor | float = 1.0):
     """RTN quantize-dequantize of w [out, in] (no error bookkeeping): float32 [out, in]."""
     out, inp = w.shape
+    config = config.for_features(inp)
     wg = w.float().view(out, config.groups(inp), config.group_len(inp))
     scale, zero = compute_qparams(wg, config, clip)
     q = quantize_values(wg, scale, zero, config).view(out, inp)
@@ -230,6 +231,7 @@ def search_clip(
     if max_shrink == 0 or clip_grid < 2:
         return 1.0
     out, inp = w.shape
+    config = config.for_features(inp)
     n_groups, g = config.groups(inp), config.group_len(inp)
     xg = x.float().view(-1, n_groups, g).transpose(0, 1)  # [G, n, g]
     gram = xg.transpose(1, 2) @ xg / x.shape[0]  # [G, g, g]

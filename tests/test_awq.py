@@ -200,7 +200,8 @@ def test_unknown_model_type_is_rejected():
     "keep,config,match",
     [
         (["self_attn.q_proj"], QuantConfig(group_size=32), "self_attn.o_proj"),
-        (None, QuantConfig(group_size=48), "group size 48"),
+        # 100-wide layers have no power-of-two group that divides them (see for_features)
+        (None, QuantConfig(group_size=48), None),
     ],
     ids=["missing-inputs", "bad-group-size"],
 )
@@ -208,6 +209,11 @@ def test_bad_calls_are_rejected_before_any_change(keep, config, match):
     layer = tiny_layer("llama")
     inputs = capture_inputs(layer, layer_input(64, seed=0), attention_mix(seed=1))
     inputs = {k: v for k, v in inputs.items() if keep is None or k in keep}
+    if match is None:
+        down = layer.mlp.down_proj
+        layer.mlp.down_proj = torch.nn.Linear(100, down.out_features, bias=False)
+        inputs["mlp.down_proj"] = torch.randn(inputs["mlp.down_proj"].shape[0], 100)
+        match = "does not divide the 100 input features"
     before = copy.deepcopy(layer.state_dict())
     with pytest.raises(InvalidParameterError, match=match):
         awq_quantize_layer(layer, inputs, config, "llama")
