@@ -45,22 +45,29 @@ def _load_gguf(path: Path) -> LoadedModel:
 
 def _load_hf(path: Path) -> LoadedModel:
     from edgellm.loaders.hf import hf_model_args, open_safetensors, read_config, safetensors_files
+    from edgellm.quantize.checkpoint import read_quant_config
     from edgellm.tokenizer import Tokenizer
 
     config = read_config(path)
     args = hf_model_args(config)
+    read_quant_config(config)  # refuse unsupported quantization before reading weights
     weights = open_safetensors(safetensors_files(path))
     return LoadedModel(path, "hf", args, weights, Tokenizer.from_hf_dir(path), config)
 
 
 def build_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Instantiate the torch model and load its weights (built on `meta`, then assigned)."""
+    """Instantiate the torch model and load its weights (built on `meta`, then assigned).
+
+    A checkpoint with a `quantization_config` (compressed-tensors pack-quantized) runs
+    as stored: its packed Linears become `QuantLinear` and integer tensors stay integer.
+    """
     from edgellm.models import get_model_module
 
     module = get_model_module(loaded.args.model_type)
     with torch.device("meta"):
         model = module.Model(loaded.args)
-    weights = {n: loaded.weights.get(n).to(dtype) for n in loaded.weights.names()}
+    _swap_quantized(model, loaded, dtype)
+    weights = {n: _cast(loaded.weights.get(n), dtype) for n in loaded.weights.names()}
     weights = model.sanitize(weights)
     expected = set(model.state_dict())
     missing = expected - set(weights)
@@ -73,6 +80,26 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32) -> torc
     if loaded.args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _swap_quantized(model: torch.nn.Module, loaded: LoadedModel, dtype: torch.dtype) -> None:
+    """Turn the Linears the checkpoint stores packed into QuantLinear (meta, shapes only)."""
+    from edgellm.quantize.checkpoint import read_quant_config
+    from edgellm.quantize.linear import swap_linears
+
+    qconfig = read_quant_config(loaded.config or {})
+    if qconfig is None:
+        return
+    suffix = ".weight_packed"
+    packed = {n.removesuffix(suffix) for n in loaded.weights.names() if n.endswith(suffix)}
+    if not packed:
+        raise ModelFormatError(f"{loaded.path} has a quantization_config but no packed weights")
+    swap_linears(model, qconfig, ignore=(), include=packed, dtype=dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Floats to the model dtype; integer tensors (packed codes, zero points, shapes) as they are."""
+    return t.to(dtype) if t.is_floating_point() else t
 
 
 def file_size(path: Path) -> int:

@@ -1,0 +1,288 @@
+"""The edgellm INT4 checkpoint: compressed-tensors `pack-quantized`, read by transformers and vLLM.
+
+A directory with `config.json` (HF config + `quantization_config`), safetensors
+weights (sharded past a size limit), the tokenizer files and `generation_config.json`.
+Per quantized Linear `<m>` (see `/work/shared/FORMATS.md`):
+
+    <m>.weight_packed      int32 [out, ceil(in*bits/32)]   codes + 2^(bits-1), dense bit stream
+    <m>.weight_scale       dtype [out, n_groups]
+    <m>.weight_shape       int64 [2]                       [out, in]
+    <m>.weight_zero_point  int32 [ceil(out*bits/32), n_groups]  asymmetric only, packed along dim 0
+
+Everything else (embeddings, norms, lm_head, biases) is stored dense.
+
+Dense tensors and scales default to bfloat16: lossless for the bf16 models we start
+from, exactly representable in fp16 (GGUF/MLX scales) for normal magnitudes, and the
+dtype of torch's only fast CPU int4 kernel (`kernels.int4_matmul`); transformers and
+compressed-tensors load it as is (logits equal the dequantized reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from edgellm.models.llama import ModelArgs
+from edgellm.quantize.pack import pack_int32
+from edgellm.quantize.rtn import QuantConfig, QuantizedWeight
+
+from edgellm.errors import InvalidParameterError, ModelFormatError, UnsupportedArchitectureError
+from edgellm.fsutil import atomic_path
+
+SHARD_BYTES = 2 * 2**30
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FORMAT = "pack-quantized"
+PROVENANCE_KEY = "edgellm"  # our record inside quantization_config; other readers ignore it
+
+
+def quantization_config(qconfig: QuantConfig, provenance: dict | None = None) -> dict:
+    """The config.json `quantization_config` of a checkpoint quantized with `qconfig`."""
+    weights = {
+        "num_bits": qconfig.bits,
+        "type": "int",
+        "symmetric": qconfig.symmetric,
+        "strategy": "channel" if qconfig.group_size == -1 else "group",
+        "group_size": None if qconfig.group_size == -1 else qconfig.group_size,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+    }
+    cfg = {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT,
+        "quantization_status": "compressed",  # without it transformers loads random weights
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],  # without it transformers' first forward fails
+        "kv_cache_scheme": None,
+    }
+    if provenance:
+        cfg[PROVENANCE_KEY] = provenance
+    return cfg
+
+
+def quantized_tensors(
+    name: str, qw: QuantizedWeight, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one quantized Linear `name` (without `.weight`)."""
+    bits = qw.config.bits
+    out = {
+        f"{name}.weight_packed": pack_int32(qw.q, bits),
+        f"{name}.weight_scale": qw.scale.to(dtype).contiguous(),
+        f"{name}.weight_shape": torch.tensor(list(qw.q.shape), dtype=torch.int64),
+    }
+    if qw.zero is not None:
+        out[f"{name}.weight_zero_point"] = pack_int32(qw.zero, bits, dim=0)
+    return out
+
+
+class CheckpointWriter:
+    """Streams tensors into a new checkpoint directory that appears only when complete.
+
+    Use as a context manager: on an exception nothing is left behind; on success
+    `close()` writes the last shard, the index, config and tokenizer, then renames
+    the temporary directory to `out_dir`. Raises OutputExistsError at once when
+    `out_dir` exists and `force` is false.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        args: ModelArgs,
+        tokenizer,  # edgellm.tokenizer.Tokenizer (anything with save_pretrained) or None
+        qconfig: QuantConfig,
+        provenance: dict | None = None,
+        force: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        shard_bytes: int = SHARD_BYTES,
+        generation_config: dict | None = None,
+    ):
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InvalidParameterError(f"checkpoint dtype must be a float dtype, got {dtype}")
+        self.args, self.tokenizer, self.qconfig = args, tokenizer, qconfig
+        self.provenance, self.dtype, self.shard_bytes = provenance or {}, dtype, shard_bytes
+        self.generation_config = generation_config
+        self._atomic = atomic_path(out_dir, force, is_dir=True)
+        self.dir = self._atomic.__enter__()  # the temporary directory
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []  # tensor names per written shard
+        self._names: set[str] = set()
+        self._total_bytes = 0
+        self._closed = False
+
+    def add_quantized(self, name: str, qw: QuantizedWeight) -> None:
+        """Add Linear `name` (e.g. `model.layers.0.mlp.up_proj`) in packed form."""
+        if qw.config != self.qconfig:
+            raise InvalidParameterError(f"{name} is quantized with {qw.config}, not {self.qconfig}")
+        for key, t in quantized_tensors(name, qw, self.dtype).items():
+            self._add(key, t)
+
+    def add_dense(self, name: str, tensor: torch.Tensor) -> None:
+        """Add a tensor as is (floats in the checkpoint dtype), e.g. `model.norm.weight`."""
+        self._add(name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
+
+    def _add(self, name: str, t: torch.Tensor) -> None:
+        if name in self._names:
+            raise InvalidParameterError(f"tensor {name} was added twice")
+        self._names.add(name)
+        size = t.numel() * t.element_size()
+        if self._pending and self._pending_bytes + size > self.shard_bytes:
+            self._flush()
+        self._pending[name] = t.detach().contiguous().cpu()
+        self._pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(
+            self._pending, self.dir / _shard_tmp(len(self._shards)), metadata={"format": "pt"}
+        )
+        self._shards.append(list(self._pending))
+        self._total_bytes += self._pending_bytes
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> None:
+        """Write what is pending plus the metadata files, and move the directory in place."""
+        if self._closed:
+            return
+        try:
+            if self._pending or not self._shards:
+                self._flush()
+            self._name_shards()
+            self._write_metadata()
+        except BaseException as e:
+            self.abort(e)
+            raise
+        self._closed = True
+        self._atomic.__exit__(None, None, None)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Drop the temporary directory; nothing appears at `out_dir`."""
+        if self._closed:
+            return
+        self._closed = True
+        exc = exc or RuntimeError("checkpoint aborted")
+        with contextlib.suppress(BaseException):
+            self._atomic.__exit__(type(exc), exc, exc.__traceback__)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.abort(exc)
+
+    def _name_shards(self) -> None:
+        n = len(self._shards)
+        names = (
+            [SINGLE_FILE]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        for i, final in enumerate(names):
+            (self.dir / _shard_tmp(i)).rename(self.dir / final)
+        if n > 1:
+            weight_map = {t: f for f, shard in zip(names, self._shards, strict=True) for t in shard}
+            index = {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map}
+            _write_json(self.dir / INDEX_FILE, index)
+
+    def _write_metadata(self) -> None:
+        dtype = str(self.dtype).removeprefix("torch.")
+        config = self.args.to_hf_config()
+        # v5 transformers reads `dtype`; v4 and vLLM read `torch_dtype`
+        config |= {"torch_dtype": dtype, "dtype": dtype}
+        config["quantization_config"] = quantization_config(self.qconfig, self.provenance)
+        _write_json(self.dir / "config.json", config)
+        gen = self.generation_config or {
+            "bos_token_id": self.args.bos_token_id,
+            "eos_token_id": self.args.eos_token_id,
+        }
+        _write_json(self.dir / "generation_config.json", gen)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(self.dir)
+
+
+def _shard_tmp(i: int) -> str:
+    return f"shard-{i:05d}.partial.safetensors"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# ---- reading ------------------------------------------------------------------------
+
+_STRATEGIES = {"group", "channel"}
+
+
+def read_quant_config(config: dict) -> QuantConfig | None:
+    """The QuantConfig of an HF config.json dict; None when it has no `quantization_config`.
+
+    Accepts compressed-tensors `pack-quantized` weight-only integer schemes (ours and
+    llm-compressor's W4A16/W8A16, group or channel, symmetric or not) and raises
+    UnsupportedArchitectureError for anything else (other methods, activation
+    quantization, act-order indices), ModelFormatError for a malformed config.
+    """
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ModelFormatError("quantization_config is not a JSON object")
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise UnsupportedArchitectureError(
+            f"quantization method {method!r} is not supported: edgellm runs compressed-tensors "
+            "pack-quantized checkpoints (re-quantize with `edgellm quantize`)"
+        )
+    if qc.get("quantization_status", "compressed") != "compressed":
+        raise UnsupportedArchitectureError(
+            f"quantization_status {qc['quantization_status']!r}: only compressed checkpoints are supported"
+        )
+    if qc.get("kv_cache_scheme") or qc.get("sparsity_config") or qc.get("transform_config"):
+        raise UnsupportedArchitectureError(
+            "KV-cache quantization, sparsity and transforms are not supported"
+        )
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ModelFormatError("quantization_config has no config_groups")
+    found = {_group_quant_config(name, g, qc.get("format")) for name, g in groups.items()}
+    if len(found) > 1:
+        raise UnsupportedArchitectureError(
+            f"mixed quantization schemes are not supported ({', '.join(map(str, found))})"
+        )
+    return found.pop()
+
+
+def _group_quant_config(name: str, group: dict, top_format: str | None) -> QuantConfig:
+    fmt = group.get("format") or top_format
+    if fmt != FORMAT:
+        raise UnsupportedArchitectureError(
+            f"compressed-tensors format {fmt!r} is not supported (only {FORMAT!r})"
+        )
+    if group.get("input_activations") or group.get("output_activations"):
+        raise UnsupportedArchitectureError(
+            f"config group {name}: activation quantization is not supported (weight-only only)"
+        )
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise ModelFormatError(f"config group {name} has no weights scheme")
+    strategy = w.get("strategy")
+    problems = [
+        (w.get("type", "int") != "int", f"type {w.get('type')!r}"),
+        (strategy not in _STRATEGIES, f"strategy {strategy!r}"),
+        (bool(w.get("dynamic")), "dynamic quantization"),
+        (w.get("actorder") == "group", "act-order with group indices (g_idx)"),
+        (not 2 <= int(w.get("num_bits", 0)) <= 8, f"{w.get('num_bits')} bits"),
+    ]
+    bad = [what for cond, what in problems if cond]
+    if bad:
+        raise UnsupportedArchitectureError(f"config group {name}: {', '.join(bad)} not supported")
+    group_size = -1 if strategy == "channel" else w.get("group_size")
+    if not isinstance(group_size, int) or (strategy == "group" and group_size < 1):
+        raise ModelFormatError(f"config group {name}: bad group_size {w.get('group_size')!r}")
+    return QuantConfig(int(w["num_bits"]), group_size, bool(w.get("symmetric", True)))
