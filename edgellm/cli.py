@@ -171,6 +171,42 @@ def convert(
     typer.echo(f"wrote {out}")
 
 
+@app.command()
+def quantize(
+    model: Annotated[
+        str | None, typer.Argument(help="GGUF file, HF directory or short name")
+    ] = None,
+    out: Annotated[str, typer.Option("--out", "-o", help="output checkpoint directory")] = "",
+    method: Annotated[str, typer.Option(help="rtn | awq | gptq")] = "awq",
+    bits: Annotated[int, typer.Option(help="2-8")] = 4,
+    group_size: Annotated[int, typer.Option(help="32 | 64 | 128 | -1 (per-channel)")] = 128,
+    sym: Annotated[
+        bool, typer.Option("--sym/--asym", help="symmetric or asymmetric groups")
+    ] = True,
+    calib: Annotated[str, typer.Option(help="sotu | shakespeare | a .txt or .jsonl file")] = "sotu",
+    samples: Annotated[int, typer.Option(help="calibration samples")] = 32,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
+    seed: int = 0,
+    chat_template: Annotated[bool, typer.Option(help="format calibration text as chat")] = False,
+    act_order: Annotated[bool, typer.Option(help="GPTQ activation order (static groups)")] = True,
+    eval_: Annotated[
+        bool, typer.Option("--eval", help="perplexity before/after on held-out sotu")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+):
+    """Quantize to INT4 (or 2-8 bits) into a compressed-tensors checkpoint, layer by layer."""
+    from edgellm.errors import InvalidParameterError
+    from edgellm.quantize.pipeline import QuantizeOptions, print_report, quantize
+
+    if not out:
+        raise InvalidParameterError("--out/-o is required")
+    opts = QuantizeOptions(
+        method, bits, group_size, sym, calib, samples, seq_len, seed, chat_template, act_order
+    )
+    report = quantize(model, out, opts, force=force, eval_text="sotu" if eval_ else None)
+    print_report(report)
+
+
 def main() -> None:
     """Entry point: user errors are one line on stderr, never a traceback."""
     from edgellm.errors import EdgeLLMError

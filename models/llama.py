@@ -197,6 +197,10 @@ class Attention(nn.Module):
         self.scale = hd**-0.5
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(x, cos, sin, kv_cache, meta))
+
+    def attend(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything before o_proj: [T, D] -> [T, H * head_dim]."""
         t = x.shape[0]  # x: [T, D]
         q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
@@ -205,7 +209,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, -1))
+        return o.reshape(t, -1)
 
 
 class MLP(nn.Module):
@@ -231,6 +235,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_stages(self, x, cos, sin, kv_cache, meta):
+        """`forward`, pausing with the input of each QUANT_STAGES entry (yielded in order) so
+        a quantizer can replace that stage's weights before the rest runs; returns the output."""
+        a = self.input_layernorm(x)
+        yield a
+        o_in = self.self_attn.attend(a, cos, sin, kv_cache, meta)
+        yield o_in
+        h = x + self.self_attn.o_proj(o_in)
+        m = self.post_attention_layernorm(h)
+        yield m
+        d = nn.functional.silu(self.mlp.gate_proj(m)) * self.mlp.up_proj(m)
+        yield d
+        return h + self.mlp.down_proj(d)
 
 
 class LlamaModel(nn.Module):

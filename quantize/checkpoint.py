@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -38,9 +39,8 @@ FORMAT = "pack-quantized"
 PROVENANCE_KEY = "edgellm"  # our record inside quantization_config; other readers ignore it
 
 
-def quantization_config(qconfig: QuantConfig, provenance: dict | None = None) -> dict:
-    """The config.json `quantization_config` of a checkpoint quantized with `qconfig`."""
-    weights = {
+def _weights_scheme(qconfig: QuantConfig) -> dict:
+    return {
         "num_bits": qconfig.bits,
         "type": "int",
         "symmetric": qconfig.symmetric,
@@ -50,17 +50,43 @@ def quantization_config(qconfig: QuantConfig, provenance: dict | None = None) ->
         "actorder": None,
         "observer": "minmax",
     }
+
+
+def quantization_config(
+    qconfig: QuantConfig,
+    provenance: dict | None = None,
+    modules: dict[str, QuantConfig] | None = None,
+) -> dict:
+    """The config.json `quantization_config` of a checkpoint quantized with `qconfig`.
+
+    `modules` (full Linear name -> config) may hold layers whose inputs the group size
+    does not divide, quantized with `qconfig.for_features(...)`: then there is one
+    config group per group size, targeting those Linears by name suffix."""
+    used = sorted(set((modules or {}).values()) | {qconfig}, key=lambda c: -c.group_size)
+    if len(used) == 1:
+        groups = {"group_0": {"targets": ["Linear"], "weights": _weights_scheme(qconfig)}}
+    else:
+        groups = {
+            f"group_{i}": {"targets": _suffix_targets(modules, c), "weights": _weights_scheme(c)}
+            for i, c in enumerate(c for c in used if c in set(modules.values()))
+        }
     cfg = {
         "quant_method": "compressed-tensors",
         "format": FORMAT,
         "quantization_status": "compressed",  # without it transformers loads random weights
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "config_groups": groups,
         "ignore": ["lm_head"],  # without it transformers' first forward fails
         "kv_cache_scheme": None,
     }
     if provenance:
         cfg[PROVENANCE_KEY] = provenance
     return cfg
+
+
+def _suffix_targets(modules: dict[str, QuantConfig], config: QuantConfig) -> list[str]:
+    """Regex targets ("re:" is compressed-tensors' prefix) of the Linears using `config`."""
+    suffixes = {re.sub(r"^.*?layers\.\d+\.", "", n) for n, c in modules.items() if c == config}
+    return [f"re:.*\\.{re.escape(s)}$" for s in sorted(suffixes)]
 
 
 def quantized_tensors(
@@ -112,11 +138,13 @@ class CheckpointWriter:
         self._names: set[str] = set()
         self._total_bytes = 0
         self._closed = False
+        self._modules: dict[str, QuantConfig] = {}  # Linear name -> its config
 
     def add_quantized(self, name: str, qw: QuantizedWeight) -> None:
         """Add Linear `name` (e.g. `model.layers.0.mlp.up_proj`) in packed form."""
-        if qw.config != self.qconfig:
+        if qw.config != self.qconfig.for_features(qw.q.shape[1]):
             raise InvalidParameterError(f"{name} is quantized with {qw.config}, not {self.qconfig}")
+        self._modules[name] = qw.config
         for key, t in quantized_tensors(name, qw, self.dtype).items():
             self._add(key, t)
 
@@ -196,7 +224,9 @@ class CheckpointWriter:
         config = self.args.to_hf_config()
         # v5 transformers reads `dtype`; v4 and vLLM read `torch_dtype`
         config |= {"torch_dtype": dtype, "dtype": dtype}
-        config["quantization_config"] = quantization_config(self.qconfig, self.provenance)
+        config["quantization_config"] = quantization_config(
+            self.qconfig, self.provenance, self._modules
+        )
         _write_json(self.dir / "config.json", config)
         gen = self.generation_config or {
             "bos_token_id": self.args.bos_token_id,
@@ -251,11 +281,13 @@ def read_quant_config(config: dict) -> QuantConfig | None:
     if not isinstance(groups, dict) or not groups:
         raise ModelFormatError("quantization_config has no config_groups")
     found = {_group_quant_config(name, g, qc.get("format")) for name, g in groups.items()}
-    if len(found) > 1:
+    if len({(c.bits, c.symmetric) for c in found}) > 1:
         raise UnsupportedArchitectureError(
             f"mixed quantization schemes are not supported ({', '.join(map(str, found))})"
         )
-    return found.pop()
+    # groups differing only in group size are our per-layer fallback (QuantConfig.for_features):
+    # the largest is the scheme; each Linear derives its own from its input width
+    return max(found, key=lambda c: c.group_size)
 
 
 def _group_quant_config(name: str, group: dict, top_format: str | None) -> QuantConfig:

@@ -62,9 +62,39 @@ class LayerRunner:
             out[s : s + n] = y.view_as(x)
         return out
 
+    @torch.inference_mode()
+    def staged(
+        self, layer: nn.Module, hidden: torch.Tensor, n_stages: int, on_stage
+    ) -> torch.Tensor:
+        """Run `layer.forward_stages` over all chunks, calling on_stage(i, inputs [tokens, in])
+        once every chunk has reached stage i, so stage i's weights can change before the rest
+        of the layer runs. Returns the layer output [N, L, D]."""
+        gens, shapes = [], []
+        for _, x in self.chunks(hidden):
+            n = x.shape[0]
+            cos, sin = self.cos.repeat(n, 1, 1), self.sin.repeat(n, 1, 1)
+            # chunks share the KV buffer: each chunk's attention runs inside one next() call
+            gens.append(
+                layer.forward_stages(
+                    x.reshape(n * self.seq_len, -1), cos, sin, self.kv, self._meta(n)
+                )
+            )
+            shapes.append(x.shape)
+        for i in range(n_stages):
+            on_stage(i, torch.cat([next(g) for g in gens]))
+        return torch.cat([_finish(g).view(shape) for g, shape in zip(gens, shapes, strict=True)])
+
     def chunks(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         for s in range(0, hidden.shape[0], self.chunk):
             yield s, hidden[s : s + self.chunk]
+
+
+def _finish(gen) -> torch.Tensor:
+    try:
+        next(gen)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("forward_stages yielded more stages than QUANT_STAGES lists")
 
 
 @contextmanager

@@ -129,8 +129,9 @@ def swap_linears(
         if include is not None and name not in include:
             continue
         device = mod.weight.device
+        cfg = qconfig.for_features(mod.in_features)
         new = QuantLinear(
-            mod.in_features, mod.out_features, mod.bias is not None, qconfig, dtype, device
+            mod.in_features, mod.out_features, mod.bias is not None, cfg, dtype, device
         )
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)

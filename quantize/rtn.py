@@ -29,7 +29,9 @@ class QuantConfig:
         if not 2 <= self.bits <= 8:
             raise InvalidParameterError(f"bits must be in 2..8, got {self.bits}")
         if self.group_size != -1 and self.group_size < 1:
-            raise InvalidParameterError(f"group size must be positive or -1 (per-channel), got {self.group_size}")
+            raise InvalidParameterError(
+                f"group size must be positive or -1 (per-channel), got {self.group_size}"
+            )
 
     @property
     def qmin(self) -> int:
@@ -122,7 +124,9 @@ def dequantize(
     return (qg * scale[..., None].float()).view(out, inp)
 
 
-def quantize_rtn(w: torch.Tensor, config: QuantConfig, clip: torch.Tensor | float = 1.0) -> QuantizedWeight:
+def quantize_rtn(
+    w: torch.Tensor, config: QuantConfig, clip: torch.Tensor | float = 1.0
+) -> QuantizedWeight:
     """Round-to-nearest of w [out, in]; returns the codes and the reconstruction error."""
     out, inp = w.shape
     wg = w.float().view(out, config.groups(inp), config.group_len(inp))

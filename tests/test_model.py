@@ -93,3 +93,18 @@ def test_mixed_prefill_and_decode_batch_equals_separate():
     for s, row in zip(seqs, mixed, strict=True):
         ref = run_prefill(ours, s.token_ids)[-1]
         torch.testing.assert_close(row, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_forward_stages_equals_forward():
+    """The staged forward the quantizers use is the same function as forward."""
+    from edgellm.quantize.layerwise import LayerRunner
+
+    hf, cfg = tiny_hf_model("qwen2")
+    model = ours_from_hf(hf, cfg)
+    layer = model.model.layers[0]
+    runner = LayerRunner(model.args, seq_len=24, chunk=2)
+    x = torch.randn(5, 24, model.args.hidden_size)
+    seen = []
+    staged = runner.staged(layer, x, 4, lambda i, inp: seen.append((i, inp.shape)))
+    torch.testing.assert_close(staged, runner(layer, x), atol=1e-5, rtol=1e-5)
+    assert [i for i, _ in seen] == [0, 1, 2, 3] and seen[3][1] == (5 * 24, 128)

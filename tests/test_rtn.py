@@ -11,7 +11,11 @@ W = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
 
 @pytest.mark.parametrize("sym", [True, False])
 def test_error_decreases_with_smaller_groups_and_more_bits(sym):
-    errs = {(b, g): quantize_rtn(W, QuantConfig(b, g, sym)).error for b in (2, 3, 4, 8) for g in (-1, 128, 64, 32)}
+    errs = {
+        (b, g): quantize_rtn(W, QuantConfig(b, g, sym)).error
+        for b in (2, 3, 4, 8)
+        for g in (-1, 128, 64, 32)
+    }
     for b in (2, 3, 4, 8):
         assert errs[(b, -1)] > errs[(b, 128)] > errs[(b, 64)] > errs[(b, 32)]
     for g in (-1, 128, 64, 32):
@@ -34,7 +38,10 @@ def test_codes_in_range_and_error_reported(bits, sym):
 
 def test_asymmetric_handles_one_sided_groups_exactly():
     w = torch.rand(8, 64) + 1.0  # all positive: asymmetric uses the whole grid
-    sym, asym = quantize_rtn(w, QuantConfig(4, 32, True)), quantize_rtn(w, QuantConfig(4, 32, False))
+    sym, asym = (
+        quantize_rtn(w, QuantConfig(4, 32, True)),
+        quantize_rtn(w, QuantConfig(4, 32, False)),
+    )
     assert asym.error < sym.error / 2
 
 

@@ -1,0 +1,344 @@
+"""`edgellm quantize`: a float model to an INT checkpoint, one decoder layer at a time.
+
+For each layer: read its float weights from the source, collect what the method
+needs from the calibration activations (AWQ: activation statistics and samples;
+GPTQ: Hessians, stage by stage so later linears see the already-quantized
+earlier ones), quantize, write the packed tensors, and compute the next layer's
+inputs with the quantized weights. Peak memory is about one float layer plus
+the calibration activations.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, quantize_rtn
+
+from edgellm.errors import InvalidParameterError
+
+METHODS = ("rtn", "awq", "gptq")
+
+
+@dataclass(slots=True)
+class QuantizeOptions:
+    method: str = "awq"
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    calib: str = "sotu"
+    n_samples: int = 32
+    seq_len: int = 512
+    seed: int = 0
+    chat_template: bool = False
+    act_order: bool = True  # GPTQ: columns by Hessian diagonal, static groups (stored in order)
+    damp: float = 0.01  # GPTQ
+    awq_tokens: int = 4096  # AWQ: calibration tokens kept per layer for the searches
+    awq_grid: int = 10  # AWQ: scale exponents tried per scale group
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise InvalidParameterError(
+                f"unknown method {self.method!r} (choose from {', '.join(METHODS)})"
+            )
+        QuantConfig(self.bits, self.group_size, self.symmetric)  # validates
+
+    @property
+    def qconfig(self) -> QuantConfig:
+        return QuantConfig(self.bits, self.group_size, self.symmetric)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method != "rtn"
+
+
+@dataclass(slots=True)
+class QuantizeReport:
+    out_dir: str
+    options: dict
+    seconds: float
+    peak_rss_mb: float
+    float_bytes: int
+    quantized_bytes: int
+    bits_per_weight: float  # over the quantized linears (codes + scales + zeros)
+    layer_errors: list[dict] = field(default_factory=list)  # per layer: name -> weight MSE
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+
+
+def check_shapes(args, qconfig: QuantConfig) -> None:
+    """Fail before any work when the group size does not divide a layer's inputs."""
+    for n in {args.hidden_size, args.intermediate_size, args.num_attention_heads * args.head_dim}:
+        qconfig.for_features(n)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def quantize_layer(
+    layer, runner, hidden, opts: QuantizeOptions, model_type: str, stages
+) -> tuple[dict[str, QuantizedWeight], torch.Tensor | None]:
+    """Quantize every linear of one float layer; its weights become the dequantized ones.
+    Returns the quantized weights and the next layer's calibration inputs."""
+    from edgellm.quantize.layerwise import set_weight
+
+    if opts.method == "rtn":
+        out = {}
+        for name in (n for s in stages for n in s):
+            w = layer.get_submodule(name).weight.data
+            out[name] = quantize_rtn(w, opts.qconfig.for_features(w.shape[1]))
+    elif opts.method == "awq":
+        out, hidden = _awq(layer, runner, hidden, opts, model_type, stages)
+    else:
+        out, hidden = _gptq(layer, runner, hidden, opts, stages)
+    for name, qw in out.items():
+        set_weight(layer, name, qw.dequantize())
+    return out, hidden
+
+
+def _awq(layer, runner, hidden, opts, model_type, stages):
+    from edgellm.quantize.awq import awq_quantize_layer
+    from edgellm.quantize.layerwise import capture_inputs
+
+    names = [n for s in stages for n in s]
+    kept: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    gen = torch.Generator().manual_seed(opts.seed)
+    per_chunk = max(1, opts.awq_tokens * runner.chunk // max(hidden.shape[0], 1))
+
+    def keep(name, x):
+        x = x.reshape(-1, x.shape[-1])
+        kept[name].append(x[torch.randperm(x.shape[0], generator=gen)[:per_chunk]].clone())
+
+    with capture_inputs(layer, names, keep):
+        hidden = runner(layer, hidden)  # the float layer's output feeds the next layer
+    inputs = {n: torch.cat(v) for n, v in kept.items()}
+    return awq_quantize_layer(layer, inputs, opts.qconfig, model_type, n_grid=opts.awq_grid), hidden
+
+
+def _gptq(layer, runner, hidden, opts, stages) -> tuple[dict[str, QuantizedWeight], torch.Tensor]:
+    """Stage by stage in one pass: each stage's Hessian comes from inputs computed with the
+    already-quantized earlier stages. Returns the weights and the layer's output."""
+    from edgellm.quantize.gptq import HessianAccumulator, gptq_quantize
+    from edgellm.quantize.layerwise import set_weight
+
+    out: dict[str, QuantizedWeight] = {}
+
+    def on_stage(i: int, x: torch.Tensor) -> None:
+        acc = HessianAccumulator(x.shape[-1])  # the stage's linears share their input
+        for part in x.split(8192):
+            acc.add(part)
+        for n in stages[i]:
+            w = layer.get_submodule(n).weight.data
+            cfg = opts.qconfig.for_features(w.shape[1])
+            out[n] = gptq_quantize(w, acc.hessian, cfg, damp=opts.damp, act_order=opts.act_order)
+            set_weight(layer, n, out[n].dequantize())
+
+    hidden = runner.staged(layer, hidden, len(stages), on_stage)
+    return out, hidden
+
+
+def quantize(
+    model: str | None,
+    out_dir: str,
+    options: QuantizeOptions | None = None,
+    force: bool = False,
+    eval_text: str | None = None,
+    eval_tokens: int = 16384,
+    progress: bool = True,
+) -> QuantizeReport:
+    """Quantize `model` (GGUF file, HF directory, short name) into a checkpoint at `out_dir`."""
+    from pathlib import Path
+
+    from edgellm.quantize.checkpoint import CheckpointWriter
+    from edgellm.quantize.layerwise import LayerRunner, embed, load_layer
+
+    from edgellm.fsutil import check_output
+    from edgellm.loaders.model import load_model
+
+    opts = options or QuantizeOptions()
+    t0 = time.perf_counter()
+    check_output(Path(out_dir), force)
+    loaded = load_model(model)
+    args = loaded.args
+    check_shapes(args, opts.qconfig)
+    stages = _stages(args)
+    hidden = runner = None
+    if opts.needs_calibration:
+        from edgellm.quantize.calibration import calibration_tokens
+
+        toks = calibration_tokens(
+            loaded.tokenizer,
+            opts.calib,
+            opts.n_samples,
+            opts.seq_len,
+            opts.seed,
+            opts.chat_template,
+        )
+        hidden = embed(loaded.weights, torch.tensor(toks))  # [n, L, D]
+        runner = LayerRunner(args, opts.seq_len)
+    report = QuantizeReport(out_dir, asdict(opts), 0.0, 0.0, 0, 0, 0.0)
+    with (
+        CheckpointWriter(
+            out_dir, args, loaded.tokenizer, opts.qconfig, _provenance(loaded, opts), force=force
+        ) as writer,
+        _bar(progress, args.num_hidden_layers, opts.method) as advance,
+    ):
+        for i in range(args.num_hidden_layers):
+            layer = load_layer(args, loaded.weights, i)
+            qws, hidden = quantize_layer(layer, runner, hidden, opts, args.model_type, stages)
+            _write_layer(writer, layer, qws, i, report)
+            del layer
+            advance()
+        for name in _dense_names(loaded):
+            writer.add_dense(name, loaded.weights.get(name))
+    report.seconds = time.perf_counter() - t0
+    report.peak_rss_mb = peak_rss_mb()
+    if eval_text:
+        _evaluate(report, model, out_dir, eval_text, eval_tokens)
+    return report
+
+
+def _stages(args) -> list[list[str]]:
+    from edgellm.models import get_model_module
+
+    return get_model_module(args.model_type).QUANT_STAGES
+
+
+def _provenance(loaded, opts: QuantizeOptions) -> dict:
+    import edgellm
+
+    prov = {
+        "method": opts.method,
+        "bits": opts.bits,
+        "group_size": opts.group_size,
+        "symmetric": opts.symmetric,
+        "source": str(loaded.path),
+        "edgellm_version": edgellm.__version__,
+    }
+    if opts.needs_calibration:
+        prov["calibration"] = {
+            "source": opts.calib,
+            "n_samples": opts.n_samples,
+            "seq_len": opts.seq_len,
+            "seed": opts.seed,
+            "chat_template": opts.chat_template,
+        }
+    if opts.method == "gptq":
+        prov.update(act_order=opts.act_order, damp=opts.damp)
+    return prov
+
+
+def _write_layer(
+    writer, layer, qws: dict[str, QuantizedWeight], i: int, report: QuantizeReport
+) -> None:
+    prefix = f"model.layers.{i}."
+    for name, qw in qws.items():
+        writer.add_quantized(prefix + name, qw)
+        report.float_bytes += qw.q.numel() * 2  # against 16-bit weights
+        report.quantized_bytes += _packed_bytes(qw)
+    for name, t in layer.state_dict().items():
+        if not any(name == f"{q}.weight" for q in qws):
+            writer.add_dense(prefix + name, t)
+    report.layer_errors.append({n: qw.error for n, qw in qws.items()})
+    report.bits_per_weight = 8 * report.quantized_bytes / (report.float_bytes / 2)
+
+
+def _packed_bytes(qw: QuantizedWeight) -> int:
+    n = qw.q.numel() * qw.config.bits / 8 + qw.scale.numel() * 2
+    return int(n + (qw.zero.numel() * qw.config.bits / 8 if qw.zero is not None else 0))
+
+
+def _dense_names(loaded) -> list[str]:
+    names = [n for n in loaded.weights.names() if not n.startswith("model.layers.")]
+    if loaded.args.tie_word_embeddings:
+        names = [n for n in names if n != "lm_head.weight"]
+    return names
+
+
+class _bar:
+    """A rich progress bar over layers (or nothing)."""
+
+    def __init__(self, enabled: bool, total: int, what: str):
+        self.enabled, self.total, self.what = enabled, total, what
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn(f"quantize ({self.what})"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("layers"),
+            TimeElapsedColumn(),
+        )
+        self.progress.__enter__()
+        task = self.progress.add_task("", total=self.total)
+        return lambda: self.progress.advance(task)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.progress.__exit__(*exc)
+
+
+def _evaluate(report: QuantizeReport, model, out_dir: str, text: str, n_tokens: int) -> None:
+    """Perplexity of the float source and of the checkpoint; recorded in config.json."""
+    import json
+    from pathlib import Path
+
+    report.ppl_before = measure_ppl(model, text, n_tokens)
+    report.ppl_after = measure_ppl(out_dir, text, n_tokens)
+    cfg_file = Path(out_dir) / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    prov = cfg.get("quantization_config", {}).get("edgellm", cfg.setdefault("edgellm", {}))
+    prov["perplexity"] = {
+        "text": text,
+        "tokens": n_tokens,
+        "before": report.ppl_before,
+        "after": report.ppl_after,
+    }
+    tmp = cfg_file.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2))
+    tmp.rename(cfg_file)
+
+
+def measure_ppl(model, text: str, n_tokens: int, ctx: int = 512) -> float:
+    from edgellm.evaluate import perplexity
+    from edgellm.llm import LLM
+    from edgellm.texts import load_text
+
+    llm = LLM(model, max_num_batched_tokens=ctx, enable_prefix_caching=False)
+    tokens = llm.tokenizer.encode(load_text(text), add_special_tokens=False)[:n_tokens]
+    return perplexity(llm.score, tokens, ctx, progress=True).ppl
+
+
+def print_report(r: QuantizeReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"wrote {r.out_dir}", show_header=False, title_justify="left")
+    o = r.options
+    t.add_row(
+        "method",
+        f"{o['method']} W{o['bits']} g{o['group_size']} {'sym' if o['symmetric'] else 'asym'}",
+    )
+    t.add_row(
+        "linears",
+        f"{r.float_bytes / 2**20:.1f} MiB at 16 bits -> {r.quantized_bytes / 2**20:.1f} MiB "
+        f"({r.bits_per_weight:.2f} bits/weight)",
+    )
+    t.add_row("time", f"{r.seconds:.1f} s")
+    t.add_row("peak memory", f"{r.peak_rss_mb:.0f} MiB resident")
+    if r.ppl_before is not None:
+        t.add_row("perplexity", f"{r.ppl_before:.3f} -> {r.ppl_after:.3f}")
+    Console().print(t)

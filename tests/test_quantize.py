@@ -1,0 +1,128 @@
+"""The quantize pipeline end to end on tiny models: every method, the CLI, failures."""
+
+import json
+
+import pytest
+import torch
+
+from edgellm.errors import InvalidParameterError, OutputExistsError
+from edgellm.quantize import QuantizeOptions, quantize
+from edgellm.quantize.checkpoint import read_quant_config
+from tests.conftest import byte_tokenizer, tiny_hf_model
+
+FAST = dict(calib="shakespeare", n_samples=4, seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny llama as a Hugging Face directory on disk, with a real (byte-level) tokenizer."""
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    hf, _ = tiny_hf_model(
+        "llama", intermediate_size=96
+    )  # 96-wide down_proj: group 64 falls back to 32
+    hf.save_pretrained(d)
+    byte_tokenizer(eos_id=0).save_pretrained(d)
+    return d
+
+
+def float_and_quant_logits(src, out, ids):
+    from edgellm.llm import LLM
+
+    ref, q = LLM(str(src)), LLM(str(out))
+    return ref.score(ids), q.score(ids), q
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+@pytest.mark.parametrize("sym", [True, False])
+def test_every_method_writes_a_loadable_checkpoint(tiny_dir, tmp_path, method, sym):
+    out = tmp_path / "q"
+    opts = QuantizeOptions(method=method, bits=4, group_size=64, symmetric=sym, **FAST)
+    report = quantize(str(tiny_dir), str(out), opts, progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["edgellm"]["method"] == method
+    assert ("calibration" in qc["edgellm"]) == (method != "rtn")
+    assert (
+        read_quant_config(cfg).bits == 4 and len(qc["config_groups"]) == 2
+    )  # g64 and the g32 fallback
+    ids = list(range(1, 60))
+    ref, got, llm = float_and_quant_logits(tiny_dir, out, ids)
+    assert ref.shape == got.shape and torch.isfinite(got).all()
+    assert (got - ref).abs().mean() < 0.5  # 4-bit of a random model: close, not equal
+    assert 4.0 < report.bits_per_weight < 5.0 and report.peak_rss_mb > 0
+    assert len(report.layer_errors) == 2
+
+
+def test_quantized_checkpoint_equals_its_dequantized_weights(tiny_dir, tmp_path):
+    """The torch backend runs INT4 natively; its reference twin is dequantize-then-matmul."""
+    from edgellm.quantize.linear import QuantLinear
+
+    out = tmp_path / "q"
+    quantize(str(tiny_dir), str(out), QuantizeOptions(method="gptq", **FAST), progress=False)
+    from edgellm.llm import LLM
+
+    llm = LLM(str(out))
+    ids = list(range(3, 40))
+    fast = llm.score(ids)
+    QuantLinear.use_fast = False
+    try:
+        ref = llm.score(ids)
+    finally:
+        QuantLinear.use_fast = True
+    torch.testing.assert_close(fast, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_refuses_existing_output_and_bad_options(tiny_dir, tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    with pytest.raises(OutputExistsError):
+        quantize(str(tiny_dir), str(out), QuantizeOptions(method="rtn"), progress=False)
+    with pytest.raises(InvalidParameterError, match="unknown method"):
+        QuantizeOptions(method="squeeze")
+    with pytest.raises(InvalidParameterError, match="bits"):
+        QuantizeOptions(bits=1)
+    short = tmp_path / "short.txt"
+    short.write_text("far too short")
+    with pytest.raises(InvalidParameterError, match="fewer than one sample"):
+        quantize(
+            str(tiny_dir),
+            str(tmp_path / "y"),
+            QuantizeOptions(method="awq", calib=str(short)),
+            progress=False,
+        )
+    assert not (tmp_path / "y").exists()
+
+
+def test_interrupted_run_leaves_no_complete_looking_output(tiny_dir, tmp_path, monkeypatch):
+    from edgellm.quantize import pipeline
+
+    calls = []
+    real = pipeline.quantize_layer
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the model
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "quantize_layer", failing)
+    with pytest.raises(KeyboardInterrupt):
+        quantize(str(tiny_dir), str(tmp_path / "q"), QuantizeOptions(method="rtn"), progress=False)
+    assert list(tmp_path.iterdir()) == []  # neither the output nor a temporary directory
+
+
+def test_cli_quantize(tiny_dir, tmp_path, capsys, monkeypatch):
+    from tests.test_cli import run_cli
+
+    out = tmp_path / "cli"
+    code, stdout, _ = run_cli(
+        ["quantize", str(tiny_dir), "-o", str(out), "--method", "rtn", "--group-size", "32", "--asym"],
+        capsys, monkeypatch,
+    )  # fmt: skip
+    assert (
+        code in (0, None) and "rtn W4 g32 asym" in stdout and (out / "model.safetensors").is_file()
+    )
+    code, _, err = run_cli(
+        ["quantize", str(tiny_dir), "-o", str(out), "--method", "rtn"], capsys, monkeypatch
+    )
+    assert code == 1 and err.startswith("error:") and "exists" in err
