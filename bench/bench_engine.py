@@ -41,7 +41,10 @@ def workload(tok, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 def run_edgellm(llm: LLM, reqs, concurrency: int) -> dict:
     eng = llm.engine
     eng.scheduler.config.max_num_seqs = concurrency
-    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)) for p, m in reqs]
+    rids = [
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        for p, m in reqs
+    ]
     waste_alloc = waste_used = 0
     t0 = time.perf_counter()
     while eng.has_unfinished():
@@ -52,9 +55,13 @@ def run_edgellm(llm: LLM, reqs, concurrency: int) -> dict:
     dt = time.perf_counter() - t0
     outs = [eng.pop_output(r) for r in rids]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt,
-            "kv_waste": 1 - waste_used / waste_alloc if waste_alloc else 0.0,
-            "outputs": [o.outputs[0].token_ids for o in outs]}
+    return {
+        "tokens": tokens,
+        "seconds": dt,
+        "tok_s": tokens / dt,
+        "kv_waste": 1 - waste_used / waste_alloc if waste_alloc else 0.0,
+        "outputs": [o.outputs[0].token_ids for o in outs],
+    }
 
 
 def run_transformers(hf, reqs, concurrency: int, pad_id: int) -> dict:
@@ -71,8 +78,14 @@ def run_transformers(hf, reqs, concurrency: int, pad_id: int) -> dict:
             mask[j, width - len(p) :] = 1
         longest = max(m for _, m in batch)
         with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                        do_sample=False, pad_token_id=pad_id)
+            hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         useful += sum(m for _, m in batch)  # tokens past a request's own length are thrown away
     dt = time.perf_counter() - t0
     return {"tokens": useful, "seconds": dt, "tok_s": useful / dt}
@@ -105,14 +118,23 @@ def ttft_cached(llm: LLM, prefix_len: int = 1000) -> dict:
     ttft(prefix + ids[3000:3024])  # warm the cache with the shared prefix
     hits = [ttft(prefix + ids[4000 + 30 * i : 4024 + 30 * i]) for i in range(3)]
     warm = min(h[0] for h in hits)
-    return {"prefix_tokens": prefix_len, "uncached_s": cold, "cached_s": warm, "ratio": warm / cold,
-            "cached_tokens": hits[0][1]}
+    return {
+        "prefix_tokens": prefix_len,
+        "uncached_s": cold,
+        "cached_s": warm,
+        "ratio": warm / cold,
+        "cached_tokens": hits[0][1],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--concurrency", default="1,4,16,32")
-    ap.add_argument("--requests-per-slot", type=int, default=2, help="requests = max(4, this x concurrency)")
+    ap.add_argument(
+        "--requests-per-slot", type=int, default=2, help="requests = max(4, this x concurrency)"
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out-dir", default="bench/results")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -142,8 +164,9 @@ def main() -> None:
             from edgellm.registry import resolve_model
 
             path = resolve_model(None)
-            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                      dtype=torch.float32).eval()
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            ).eval()
             task = bar.add_task("transformers", total=len(levels))
             for c in levels:
                 results["transformers"][c] = run_transformers(hf, work[c], c, pad_id=2)
@@ -167,19 +190,33 @@ def report(results, work, levels, args, console) -> None:
             f"{o['kv_waste']:.1%} | {reservation_waste(work[c], None):.1%} | {reservation_waste(work[c], 8192):.1%} |"
         )
     t = results["ttft"]
-    lines += ["", f"Time to first token with a {t['prefix_tokens']}-token prefix: uncached "
-              f"{t['uncached_s'] * 1000:.0f} ms, cached {t['cached_s'] * 1000:.0f} ms "
-              f"({t['cached_tokens']} tokens from the cache): **{t['ratio']:.3f}x**"]
+    lines += [
+        "",
+        f"Time to first token with a {t['prefix_tokens']}-token prefix: uncached "
+        f"{t['uncached_s'] * 1000:.0f} ms, cached {t['cached_s'] * 1000:.0f} ms "
+        f"({t['cached_tokens']} tokens from the cache): **{t['ratio']:.3f}x**",
+    ]
     md = "\n".join(lines)
     console.print(md)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.md").write_text(md + "\n")
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads, "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct fp32"}
-    slim = {k: {c: {kk: vv for kk, vv in r.items() if kk != "outputs"} for c, r in v.items()}
-            for k, v in results.items() if k != "ttft"}
-    (out / "engine.json").write_text(json.dumps({"meta": meta, **slim, "ttft": results["ttft"]}, indent=2))
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "model": "SmolLM2-135M-Instruct fp32",
+    }
+    slim = {
+        k: {c: {kk: vv for kk, vv in r.items() if kk != "outputs"} for c, r in v.items()}
+        for k, v in results.items()
+        if k != "ttft"
+    }
+    (out / "engine.json").write_text(
+        json.dumps({"meta": meta, **slim, "ttft": results["ttft"]}, indent=2)
+    )
     plot(ours, hf, levels, out / "engine.png")
     console.print(f"wrote {out}/engine.md, engine.json, engine.png")
 
@@ -193,7 +230,12 @@ def plot(ours, hf, levels, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(levels, [ours[c]["tok_s"] for c in levels], "o-", label="edgellm (continuous batching)")
     if hf:
-        ax.plot(levels, [hf[c]["tok_s"] for c in levels], "s--", label="transformers generate (static batches)")
+        ax.plot(
+            levels,
+            [hf[c]["tok_s"] for c in levels],
+            "s--",
+            label="transformers generate (static batches)",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent requests")

@@ -37,15 +37,21 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def queue_full(self) -> bool:
-        return self.max_waiting is not None and len(self.engine.scheduler.waiting) >= self.max_waiting
+        return (
+            self.max_waiting is not None and len(self.engine.scheduler.waiting) >= self.max_waiting
+        )
 
-    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
         """Register a request (raises on bad input) and return its id; stream with `stream`."""
         request_id = request_id or f"areq-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.queue_full():
-                raise QueueFullError(f"{len(self.engine.scheduler.waiting)} requests are already waiting")
+                raise QueueFullError(
+                    f"{len(self.engine.scheduler.waiting)} requests are already waiting"
+                )
             self._queues[request_id] = (loop, asyncio.Queue())
             try:
                 self.engine.add_request(prompt, params, request_id)

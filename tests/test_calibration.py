@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from edgellm.quantize.calibration import calibration_documents, calibration_tokens
 
 from edgellm.errors import InvalidParameterError
-from edgellm.quantize.calibration import calibration_documents, calibration_tokens
 from edgellm.texts import text_documents
 from tests.conftest import byte_tokenizer
 

@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
-
-from edgellm.errors import InvalidParameterError, OutputExistsError
 from edgellm.quantize import QuantizeOptions, quantize
 from edgellm.quantize.checkpoint import read_quant_config
+
+from edgellm.errors import InvalidParameterError, OutputExistsError
 from tests.conftest import byte_tokenizer, tiny_hf_model
 
 FAST = dict(calib="shakespeare", n_samples=4, seq_len=64)
