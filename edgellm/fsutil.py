@@ -28,6 +28,7 @@ def atomic_path(path: str | Path, force: bool = False, is_dir: bool = False) -> 
         tmp.mkdir()
     try:
         yield tmp
+        _normal_permissions(tmp)
         if path.exists():  # --force: swap in the new output, then drop the old one
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             path.rename(old)
@@ -38,6 +39,14 @@ def atomic_path(path: str | Path, force: bool = False, is_dir: bool = False) -> 
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _normal_permissions(p: Path) -> None:
+    """Files as `open()` would create them (some writers use private 0600 temp files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]:
+        f.chmod(0o666 & ~umask)
 
 
 def _remove(p: Path) -> None:
