@@ -75,6 +75,14 @@ def check_shapes(args, qconfig: QuantConfig) -> None:
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory. VmHWM, unlike ru_maxrss, is not inherited
+    from a parent process across fork + exec."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -7,6 +7,7 @@ import torch
 from edgellm.quantize import QuantizeOptions, quantize
 from edgellm.quantize.checkpoint import read_quant_config
 
+from edgellm import SamplingParams
 from edgellm.errors import InvalidParameterError, OutputExistsError
 from tests.conftest import byte_tokenizer, tiny_hf_model
 
@@ -126,3 +127,31 @@ def test_cli_quantize(tiny_dir, tmp_path, capsys, monkeypatch):
         ["quantize", str(tiny_dir), "-o", str(out), "--method", "rtn"], capsys, monkeypatch
     )
     assert code == 1 and err.startswith("error:") and "exists" in err
+
+
+@pytest.mark.slow
+def test_smollm2_checkpoint_loads_in_transformers_with_identical_logits(tmp_path, monkeypatch):
+    """Real model, mixed group sizes (576-wide layers fall back to 64): transformers reads
+    our checkpoint and computes the logits of our dequantized reference path."""
+    from edgellm.quantize.linear import QuantLinear
+    from transformers import AutoModelForCausalLM
+
+    from edgellm.llm import LLM
+
+    out = tmp_path / "smol-rtn"
+    quantize(None, str(out), QuantizeOptions(method="rtn", group_size=128), progress=False)
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {g["weights"]["group_size"] for g in cfg["config_groups"].values()} == {64, 128}
+    llm = LLM(str(out))
+    ids = llm.tokenizer.encode(
+        "The State of the Union is strong, and the economy", add_special_tokens=False
+    )
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    expect = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    monkeypatch.setattr(QuantLinear, "use_fast", False)
+    torch.testing.assert_close(llm.score(ids), expect, atol=1e-4, rtol=1e-4)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = llm.chat(question, SamplingParams(temperature=0, max_tokens=16))[0].text
+    assert "Paris" in answer
