@@ -1,6 +1,6 @@
 """Engine benchmark on SmolLM2: continuous batching vs transformers' static batching.
 
-Side by side in one run, same prompts, same dtype (float32), same threads:
+Side by side in one run, same prompts, same dtype (--dtype, float32 by default), same threads:
   1. throughput (generated tokens/s) at 1, 4, 16, 32 concurrent requests with
      mixed output lengths (16-256 tokens), edgellm vs transformers' batched generate;
   2. KV memory waste (allocated but unused token slots / allocated) of the paged
@@ -138,6 +138,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out-dir", default="bench/results")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights and KV cache, the same for both engines",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -146,7 +152,7 @@ def main() -> None:
     from rich.progress import Progress
 
     console = Console()
-    llm = LLM(dtype="float32", kv_cache_mb=1024, max_num_batched_tokens=1024)
+    llm = LLM(dtype=args.dtype, kv_cache_mb=1024, max_num_batched_tokens=1024)
     work = {c: workload(llm.tokenizer, max(4, args.requests_per_slot * c), seed=c) for c in levels}
     results: dict = {"edgellm": {}, "transformers": {}}
     with Progress(console=console) as bar:
@@ -165,7 +171,7 @@ def main() -> None:
 
             path = resolve_model(None)
             hf = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32
+                str(path.parent), gguf_file=path.name, dtype=getattr(torch, args.dtype)
             ).eval()
             task = bar.add_task("transformers", total=len(levels))
             for c in levels:
@@ -200,28 +206,28 @@ def report(results, work, levels, args, console) -> None:
     console.print(md)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine.md").write_text(md + "\n")
+    (out / f"engine-{args.dtype}.md").write_text(md + "\n")
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "threads": args.threads,
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "torch": torch.__version__,
-        "model": "SmolLM2-135M-Instruct fp32",
+        "model": f"SmolLM2-135M-Instruct {args.dtype}",
     }
     slim = {
         k: {c: {kk: vv for kk, vv in r.items() if kk != "outputs"} for c, r in v.items()}
         for k, v in results.items()
         if k != "ttft"
     }
-    (out / "engine.json").write_text(
+    (out / f"engine-{args.dtype}.json").write_text(
         json.dumps({"meta": meta, **slim, "ttft": results["ttft"]}, indent=2)
     )
-    plot(ours, hf, levels, out / "engine.png")
-    console.print(f"wrote {out}/engine.md, engine.json, engine.png")
+    plot(ours, hf, levels, out / f"engine-{args.dtype}.png", args.dtype)
+    console.print(f"wrote {out}/engine-{args.dtype}.md, .json, .png")
 
 
-def plot(ours, hf, levels, path: Path) -> None:
+def plot(ours, hf, levels, path: Path, dtype: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,7 +246,7 @@ def plot(ours, hf, levels, path: Path) -> None:
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("generated tokens / s")
-    ax.set_title("SmolLM2-135M fp32, mixed output lengths 16-256")
+    ax.set_title(f"SmolLM2-135M {dtype}, mixed output lengths 16-256")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
