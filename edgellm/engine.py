@@ -114,15 +114,17 @@ class Engine:
         req.decoders[seq.seq_id] = self.tokenizer.stream_decoder(prompt_ids=req.prompt_ids)
         req.emitted[seq.seq_id] = 0
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks (unknown ids are ignored)."""
-        req = self.requests.pop(request_id, None)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now, free its KV blocks and forget it; returns what it had produced
+        (finish_reason "abort" on unfinished completions). Unknown ids are ignored."""
+        req = self.requests.get(request_id)
         if req is None:
-            return
+            return None
         for seq in req.seqs:
             seq.pending_forks = 0
             if not seq.finished:
                 self._finish(seq, "abort")
+        return self.pop_output(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

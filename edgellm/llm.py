@@ -81,10 +81,10 @@ class LLM:
         ids = [self.engine.add_request(p, params) for p in prompts]
         try:
             run_to_completion(self.engine, progress, total=len(ids))
-        finally:
+        except BaseException:
             for rid in ids:
-                if rid in self.engine.requests and not self.engine.requests[rid].finished:
-                    self.engine.abort(rid)
+                self.engine.abort(rid)
+            raise
         return [self.engine.pop_output(rid) for rid in ids]
 
     def chat(
@@ -109,9 +109,8 @@ class LLM:
                 for delta in self.engine.step():
                     if delta.request_id == rid and delta.index == 0 and delta.text:
                         yield delta.text
-        finally:
-            self.engine.abort(rid) if not self.engine.requests[rid].finished else None
-            self.last_output = self.engine.pop_output(rid)
+        finally:  # also when the consumer stops early: the request is aborted, blocks freed
+            self.last_output = self.engine.abort(rid)
 
     def stream_chat(
         self, messages: list[dict], params: SamplingParams | None = None

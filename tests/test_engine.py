@@ -162,3 +162,22 @@ def test_prefix_cache_hit_gives_same_logits():
     ):
         assert abs(lp_hit - lp_cold) < 1e-5
         assert top_hit.keys() == top_cold.keys()
+
+
+def test_closing_a_stream_early_aborts_and_keeps_the_partial_output():
+    from edgellm.llm import LLM
+
+    llm = LLM.__new__(LLM)  # the engine part of LLM, on a tiny model
+    llm.engine = tiny_engine(block_size=4)
+    stream = llm.stream(
+        [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    )
+    first = [next(stream) for _ in range(3)]
+    stream.close()
+    out = llm.last_output
+    assert out.outputs[0].finish_reason == "abort"
+    assert out.outputs[0].text.startswith("".join(first))
+    assert (
+        not llm.engine.requests
+        and llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+    )
