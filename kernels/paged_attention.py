@@ -107,15 +107,15 @@ def _decode_attention(
     lens = torch.tensor(context_lens)
     n_blocks = -(-int(lens.max()) // bs)
     table = block_tables[:, :n_blocks]  # [B, nb]
-    k = k_cache[table].flatten(1, 2).to(q.dtype)  # [B, L, KVH, D]
-    v = v_cache[table].flatten(1, 2).to(q.dtype)
+    k = k_cache[table].flatten(1, 2)  # [B, L, KVH, D]
+    v = v_cache[table].flatten(1, 2)
     mask = torch.arange(k.shape[1])[None, :] < lens[:, None]  # [B, L]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :],  # [B, H, 1, D]
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return o[:, :, 0, :]
+    # one query per sequence: plain matmuls in float32 over grouped heads beat SDPA's
+    # masked GQA path on CPU (much so in bf16)
+    b, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.float().view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    o = torch.matmul(scores.softmax(-1), v.float().transpose(1, 2))  # [B, KVH, G, D]
+    return o.reshape(b, h, d).to(q.dtype)
