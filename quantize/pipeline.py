@@ -308,7 +308,7 @@ def _evaluate(report: QuantizeReport, model, out_dir: str, text: str, n_tokens: 
     report.ppl_after = measure_ppl(out_dir, text, n_tokens)
     cfg_file = Path(out_dir) / "config.json"
     cfg = json.loads(cfg_file.read_text())
-    prov = cfg.get("quantization_config", {}).get("edgellm", cfg.setdefault("edgellm", {}))
+    prov = cfg.setdefault("quantization_config", {}).setdefault("edgellm", {})
     prov["perplexity"] = {
         "text": text,
         "tokens": n_tokens,

@@ -59,7 +59,11 @@ def test_quantized_checkpoint_equals_its_dequantized_weights(tiny_dir, tmp_path)
     from edgellm.quantize.linear import QuantLinear
 
     out = tmp_path / "q"
-    quantize(str(tiny_dir), str(out), QuantizeOptions(method="gptq", **FAST), progress=False)
+    report = quantize(str(tiny_dir), str(out), QuantizeOptions(method="gptq", **FAST), progress=False,
+                      eval_text="shakespeare", eval_tokens=600)  # fmt: skip
+    prov = json.loads((out / "config.json").read_text())["quantization_config"]["edgellm"]
+    assert prov["perplexity"]["before"] == report.ppl_before > 1
+    assert prov["perplexity"]["after"] == report.ppl_after > 1
     from edgellm.llm import LLM
 
     llm = LLM(str(out))
