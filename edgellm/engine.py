@@ -43,6 +43,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    stop_ids: frozenset[int] = frozenset()  # token ids that end a completion
 
     @property
     def finished(self) -> bool:
@@ -84,7 +85,10 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, text, ids, params)
+        stop = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else self.tokenizer.stop_ids
+        )
+        req = Request(request_id, text, ids, params, stop_ids=frozenset(stop))
         seq = Sequence(request_id, list(ids), params, generator=make_generator(params.seed))
         seq.pending_forks = params.n - 1
         self._track(req, seq)
@@ -193,10 +197,7 @@ class Engine:
     def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
         params = seq.params
         decoder = req.decoders[seq.seq_id]
-        stop_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else self.tokenizer.stop_ids
-        )
-        if token in stop_ids:  # the stop token itself is not part of the text
+        if token in req.stop_ids:  # the stop token itself is not part of the text
             seq.output_text += decoder.flush()
             return self._finish(seq, "stop")
         seq.output_text += decoder.step(token)

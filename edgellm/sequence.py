@@ -40,7 +40,6 @@ class Sequence:
     output_text: str = ""
     logprobs: list = field(default_factory=list)
     pending_forks: int = 0  # children to fork after the prompt is computed (n > 1)
-    arrival: float = 0.0
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

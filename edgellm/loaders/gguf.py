@@ -59,18 +59,6 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def gguf_name(hf: str) -> str:
-    """Inverse of `hf_name`."""
-    inv = {v: k for k, v in _GLOBAL_NAMES.items()}
-    if hf in inv:
-        return inv[hf]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
-    rev = {v: k for k, v in _LAYER_NAMES.items()}
-    if not m or m.group(2) not in rev:
-        raise KeyError(hf)
-    return f"blk.{m.group(1)}.{rev[m.group(2)]}"
-
-
 def open_gguf(path: str | Path):
     """A `gguf.GGUFReader` over `path`, with clear errors for non-GGUF or truncated files."""
     import gguf
@@ -160,14 +148,6 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's permutation (rotate-half -> interleaved), the inverse of `unpermute_qk`."""
-    rows = w.shape[0]
-    return (
-        w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-    )
-
-
 class GGUFSource:
     """Tensors of a GGUF file by HF name, dequantized to float32 on access."""
 
@@ -191,10 +171,6 @@ class GGUFSource:
         block, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         return TensorInfo(name, shape, t.tensor_type.name, 8 * nbytes / block)
-
-    def raw(self, name: str):
-        """The underlying gguf ReaderTensor (for exact re-export)."""
-        return self._tensors[name]
 
     def get(self, name: str) -> torch.Tensor:
         import gguf

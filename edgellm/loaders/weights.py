@@ -6,7 +6,6 @@ dequantizes) one tensor, so quantizers can walk a model one layer at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -28,13 +27,6 @@ class WeightSource(Protocol):
     def info(self, name: str) -> TensorInfo: ...
 
     def get(self, name: str) -> torch.Tensor: ...
-
-
-def iter_tensors(source: WeightSource, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, float tensor) for every tensor whose name starts with `prefix`."""
-    for name in source.names():
-        if name.startswith(prefix):
-            yield name, source.get(name)
 
 
 def layer_prefix(i: int) -> str:
