@@ -25,8 +25,9 @@ class Backend(Protocol):
     max_model_len: int
 
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
-        """Logits [rows, vocab] float32: one row per sequence whose chunk reaches its end
-        (in batch order), or every computed token of every sequence when `all_logits`."""
+        """Logits [rows, vocab] float32: `item.logit_rows` rows per scheduled item, in batch
+        order (the chunk's last tokens), or every computed token of every item when
+        `all_logits`."""
         ...
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -34,7 +35,14 @@ class Backend(Protocol):
         ...
 
     def release(self, seq: Sequence) -> None:
-        """The sequence's storage is no longer needed (backends with their own cells)."""
+        """The sequence finished, was aborted or preempted: drop any storage the backend keeps
+        for it outside the block pool (llama.cpp sequence cells). Its block table may already
+        be empty."""
+        ...
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the sequence's K/V past `num_tokens` (rejected speculative tokens); the
+        engine trims the block table through the block manager."""
         ...
 
 

@@ -59,6 +59,9 @@ class TorchBackend:
     def release(self, seq: Sequence) -> None:
         pass  # storage is the shared block pool; the block manager owns it
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        pass  # K/V past num_tokens is simply overwritten; the block manager trims the table
+
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         inputs = prepare_inputs(batch, self.block_size, all_logits)
@@ -83,8 +86,8 @@ def prepare_inputs(batch: list[ScheduledSeq], block_size: int, all_logits: bool 
         slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in positions]
         if all_logits:
             rows += range(qsl[-1], qsl[-1] + item.num_tokens)
-        elif item.wants_logits:
-            rows.append(qsl[-1] + item.num_tokens - 1)
+        else:  # the chunk's last logit_rows tokens
+            rows += range(qsl[-1] + item.num_tokens - item.logit_rows, qsl[-1] + item.num_tokens)
         qsl.append(qsl[-1] + item.num_tokens)
         ctx.append(end)
     width = max(len(item.seq.block_table) for item in batch)

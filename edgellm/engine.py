@@ -61,6 +61,8 @@ class Engine:
         self.block_manager = BlockManager(
             backend.num_blocks, backend.block_size, self.config.enable_prefix_caching
         )
+        if hasattr(backend, "bind"):  # backends that mirror blocks in their own cells
+            backend.bind(self.block_manager)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
@@ -137,6 +139,8 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """One scheduling round; returns the new text of every request that advanced."""
         out = self.scheduler.schedule()
+        for seq in out.preempted:
+            self.backend.release(seq)
         if not out.scheduled:
             return []
         self.backend.copy_blocks(out.block_copies)

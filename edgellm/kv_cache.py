@@ -190,6 +190,13 @@ class BlockManager:
             parent = block.hash
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
 
+    def uncache(self, block_id: int) -> None:
+        """Forget a block's hash: a backend that cannot keep its K/V any longer says so."""
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = None, ()
+
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -12,7 +12,25 @@ from edgellm.outputs import RequestOutput
 from edgellm.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKENDS = ("torch",)
+# preference order of `backend="auto"`: the first one this machine can run
+AUTO_ORDER = ("torch",)
+BACKENDS = ("auto", *AUTO_ORDER)
+
+
+def backend_available(name: str) -> bool:
+    """Whether this machine can run the backend (its library imports, its device exists)."""
+    return name == "torch"
+
+
+def resolve_backend(name: str) -> str:
+    """The concrete backend for `name`; "auto" picks the first available of AUTO_ORDER."""
+    if name not in BACKENDS:
+        raise InvalidParameterError(f"unknown backend {name!r} (available: {', '.join(BACKENDS)})")
+    if name == "auto":
+        return next(b for b in AUTO_ORDER if backend_available(b))
+    if not backend_available(name):
+        raise InvalidParameterError(f"the {name} backend cannot run on this machine")
+    return name
 
 
 class LLM:
@@ -42,10 +60,7 @@ class LLM:
     ):
         from edgellm.loaders.model import build_model, load_model
 
-        if backend not in BACKENDS:
-            raise InvalidParameterError(
-                f"unknown backend {backend!r} (available: {', '.join(BACKENDS)})"
-            )
+        self.backend_name = resolve_backend(backend)
         if dtype not in DTYPES:
             raise InvalidParameterError(
                 f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})"

@@ -31,11 +31,17 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    num_logits: int = 0  # > 0: logits for the chunk's last num_logits tokens (speculative verify)
 
     @property
     def wants_logits(self) -> bool:
         """Logits are needed when this chunk reaches the sequence's last token."""
         return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+    @property
+    def logit_rows(self) -> int:
+        """How many logits rows the backend returns for this chunk (in token order)."""
+        return self.num_logits or int(self.wants_logits)
 
 
 @dataclass(slots=True)
