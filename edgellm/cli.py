@@ -15,12 +15,14 @@ app = typer.Typer(
 )
 eval_app = typer.Typer(help="Evaluate a model.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
+export_app = typer.Typer(help="Export a model to another runtime's format.", no_args_is_help=True)
+app.add_typer(export_app, name="export")
 
 ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="GGUF file, HF directory or short name (smollm2-135m)"),
 ]
-BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="torch")]
+BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="torch | llamacpp | auto")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
 
 
@@ -205,6 +207,31 @@ def quantize(
     )
     report = quantize(model, out, opts, force=force, eval_text="sotu" if eval_ else None)
     print_report(report)
+
+
+@export_app.command("gguf")
+def export_gguf(
+    model: Annotated[
+        str | None, typer.Argument(help="edgellm checkpoint, HF directory or GGUF")
+    ] = None,
+    out: Annotated[str, typer.Option("--out", "-o", help="output .gguf file")] = "",
+    type_: Annotated[
+        str,
+        typer.Option(
+            "--type",
+            help="auto (INT4 -> Q4_0/Q4_1 exactly, float -> F16) | q4_0 | q4_1 | q8_0 | f16",
+        ),
+    ] = "auto",
+    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+):
+    """Write one GGUF file llama.cpp runs; INT4 groups become Q4_0/Q4_1 blocks unchanged."""
+    from edgellm.errors import InvalidParameterError
+    from edgellm.quantize.export_gguf import export_gguf
+
+    if not out:
+        raise InvalidParameterError("--out/-o is required")
+    path = export_gguf(model, out, type_, force=force, progress=True)
+    typer.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
 def main() -> None:

@@ -13,12 +13,16 @@ from edgellm.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # preference order of `backend="auto"`: the first one this machine can run
-AUTO_ORDER = ("torch",)
+AUTO_ORDER = ("llamacpp", "torch")
 BACKENDS = ("auto", *AUTO_ORDER)
 
 
 def backend_available(name: str) -> bool:
     """Whether this machine can run the backend (its library imports, its device exists)."""
+    import importlib.util
+
+    if name == "llamacpp":
+        return importlib.util.find_spec("llama_cpp") is not None
     return name == "torch"
 
 
@@ -39,7 +43,8 @@ class LLM:
     Args:
         model: a GGUF file, a Hugging Face directory, a short name (`smollm2-135m`), or
             None for the default model (SmolLM2-135M-Instruct).
-        backend: "torch" (CPU reference).
+        backend: "torch" (CPU reference), "llamacpp" (llama.cpp on the CPU; an HF or
+            edgellm checkpoint is exported to GGUF once, into a cache) or "auto".
         dtype: float dtype of weights and KV cache on the torch backend.
         kv_cache_mb: memory for the paged KV cache.
         max_model_len: context limit (defaults to the model's).
@@ -69,19 +74,21 @@ class LLM:
             torch.set_num_threads(threads)
         self.loaded = load_model(model)
         self.tokenizer = self.loaded.tokenizer
-        self.model = build_model(self.loaded, DTYPES[dtype])
-        self.engine = make_engine(
-            self.model,
-            self.tokenizer,
-            EngineConfig(
-                block_size,
-                kv_cache_mb,
-                max_num_seqs,
-                max_num_batched_tokens,
-                max_model_len,
-                enable_prefix_caching,
-            ),
+        config = EngineConfig(
+            block_size,
+            kv_cache_mb,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            enable_prefix_caching,
         )
+        self.model = None  # the torch module, on the torch backend
+        if self.backend_name == "llamacpp":
+            backend = llamacpp_backend(self.loaded, config, threads)
+        else:
+            self.model = build_model(self.loaded, DTYPES[dtype])
+            backend = torch_backend(self.model, config)
+        self.engine = Engine(backend, self.tokenizer, config)
 
     # ---- batch API -----------------------------------------------------------------------------
     def generate(
@@ -138,11 +145,32 @@ class LLM:
         return self.engine.score(token_ids)
 
 
-def make_engine(model, tokenizer, config: EngineConfig) -> Engine:
+def torch_backend(model, config: EngineConfig):
     from edgellm.backends.torch import TorchBackend
 
-    backend = TorchBackend(model, config.kv_cache_mb, config.block_size, config.max_model_len)
-    return Engine(backend, tokenizer, config)
+    return TorchBackend(model, config.kv_cache_mb, config.block_size, config.max_model_len)
+
+
+def llamacpp_backend(loaded, config: EngineConfig, threads: int | None = None):
+    """llama.cpp on the model's GGUF: the file itself, or its export (cached by content)."""
+    from edgellm.backends.llamacpp import LlamaCppBackend
+    from edgellm.quantize.export_gguf import cached_gguf
+
+    path = loaded.path if loaded.format == "gguf" else cached_gguf(loaded)
+    return LlamaCppBackend(
+        path,
+        loaded.args,
+        config.kv_cache_mb,
+        config.block_size,
+        config.max_model_len,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        threads,
+    )
+
+
+def make_engine(model, tokenizer, config: EngineConfig) -> Engine:
+    return Engine(torch_backend(model, config), tokenizer, config)
 
 
 def run_to_completion(engine: Engine, progress: bool = False, total: int = 0) -> None:

@@ -80,6 +80,26 @@ def byte_tokenizer(eos_id: int | None = None):
     return Tokenizer(tok, SpecialTokens(eos_id=eos_id))
 
 
+def bpe_tokenizer(
+    merges: tuple[str, ...] = ("Ġ t", "h e", "Ġt he", "i n", "e r", "a n", "o n", "Ġ a"),
+):
+    """A byte-level BPE with a few merges (vocab 256 + len(merges)): llama.cpp needs merges."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from edgellm.tokenizer import SpecialTokens, Tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    pairs = [tuple(m.split(" ")) for m in merges]
+    for a, b in pairs:
+        vocab[a + b] = len(vocab)
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return Tokenizer(tok, SpecialTokens())
+
+
 def _byte_of(ch: str) -> int:
     from tokenizers import pre_tokenizers
 

@@ -77,9 +77,10 @@ def quantize_tiny(model_type: str, qconfig: QuantConfig):
     return hf, cfg, qws
 
 
-def write_checkpoint(out, hf, cfg, qws, qconfig, **kw) -> None:
+def write_checkpoint(out, hf, cfg, qws, qconfig, tokenizer=None, **kw) -> None:
     args = ModelArgs.from_hf_config(cfg)
-    with CheckpointWriter(out, args, byte_tokenizer(), qconfig, {"method": "rtn"}, **kw) as w:
+    tokenizer = tokenizer or byte_tokenizer()
+    with CheckpointWriter(out, args, tokenizer, qconfig, {"method": "rtn"}, **kw) as w:
         for name, t in hf.state_dict().items():
             module = name.removesuffix(".weight")
             if module in qws:

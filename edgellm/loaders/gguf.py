@@ -59,6 +59,21 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+_HF_LAYER_NAMES = {hf: g for g, hf in _LAYER_NAMES.items()}
+_HF_GLOBAL_NAMES = {hf: g for g, hf in _GLOBAL_NAMES.items()}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def gguf_name(hf: str) -> str | None:
+    """llama.cpp name of an HF tensor (inverse of `hf_name`), None when llama.cpp has none."""
+    if hf in _HF_GLOBAL_NAMES:
+        return _HF_GLOBAL_NAMES[hf]
+    m = _HF_LAYER.fullmatch(hf)
+    if m and m.group(2) in _HF_LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
 def open_gguf(path: str | Path):
     """A `gguf.GGUFReader` over `path`, with clear errors for non-GGUF or truncated files."""
     import gguf

@@ -153,7 +153,7 @@ def _read_vocab(reader: gguf.GGUFReader) -> _Vocab:
             _meta(reader, "tokenizer.ggml.token_type", [gguf.TokenType.NORMAL] * len(tokens))
         ),
         scores=list(_meta(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))),
-        merges=[tuple(m.split(" ", 1)) for m in merges] if merges else None,
+        merges=[tuple(m.split(" ", 1)) for m in merges] if merges is not None else None,
     )
 
 
@@ -168,9 +168,9 @@ def _pre_tokenizer_spec(reader: gguf.GGUFReader) -> PreTokenizerSpec:
 
 def _byte_level_bpe(vocab: _Vocab, spec: PreTokenizerSpec) -> Tokenizer:
     """GPT-2 style BPE over bytes spelled as printable characters (`Ġ` is a space)."""
-    if vocab.merges is None:
-        raise TokenizerError("a gpt2 (byte-level BPE) GGUF tokenizer needs tokenizer.ggml.merges")
-    tokenizer = Tokenizer(BPE(vocab.ids(), vocab.merges, ignore_merges=spec.ignore_merges))
+    # no merges key: a byte-level vocabulary without merges (GGUF cannot store an empty array)
+    merges = vocab.merges or []
+    tokenizer = Tokenizer(BPE(vocab.ids(), merges, ignore_merges=spec.ignore_merges))
     splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in spec.splits]
     # The regexes did the splitting; ByteLevel only maps bytes to their printable spelling.
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -313,3 +313,69 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         tokenizer, bos, eos, bool(special["add_bos"]), bool(special["add_eos"])
     )
     return tokenizer
+
+
+# ---- writing: a Tokenizer back to tokenizer.ggml.* metadata ---------------------------
+
+# Text that tells the split rules apart: digits in runs, contractions, case runs,
+# punctuation runs, newlines, multiple spaces, CJK and accented letters, code.
+_PRE_PROBE = (
+    "I'm sure it's 2024-12-31; they'll pay $1234567.89 for 3 items!!\n\n"
+    "  Hello WORLD HelloWorld camelCase ÉCOLE été naïve 日本語のテキスト 中文 한국어\n"
+    "def f(x):\r\n    return x**2 + 10_000  # done...\t\t'quoted' \"double\" <tag/> /path/to\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFVocab:
+    """What llama.cpp needs to rebuild a byte-level BPE tokenizer."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    pre: str
+
+
+def gguf_vocab(tokenizer: Any, n_vocab: int) -> GGUFVocab:
+    """Tokens (padded to `n_vocab` rows), types, merges and the `tokenizer.ggml.pre` name of
+    a byte-level BPE tokenizer (our `edgellm.tokenizer.Tokenizer`).
+
+    The pre-tokenizer is not stored by name in tokenizer.json; like llama.cpp's converter
+    we identify it by behaviour: the family whose split rules encode a probe text to the
+    same ids. Raises TokenizerError for other tokenizer kinds or an unknown split.
+    """
+    import json
+
+    backend = tokenizer.backend
+    model = json.loads(backend.to_str())["model"]
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise TokenizerError("GGUF export supports byte-level BPE tokenizers only")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    if not merges:
+        raise TokenizerError("the tokenizer has no merges; llama.cpp cannot load such a GGUF")
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if max(vocab.values()) >= n_vocab:
+        raise TokenizerError(f"the tokenizer has ids past the model's {n_vocab} vocabulary rows")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [gguf.TokenType.UNUSED] * n_vocab
+    for token, i in vocab.items():
+        tokens[i], types[i] = token, gguf.TokenType.NORMAL
+    for i, added in backend.get_added_tokens_decoder().items():
+        types[i] = gguf.TokenType.CONTROL if added.special else gguf.TokenType.USER_DEFINED
+    v = _Vocab(
+        tokens, [int(t) for t in types], [0.0] * n_vocab, [tuple(m.split(" ", 1)) for m in merges]
+    )
+    return GGUFVocab(tokens, [int(t) for t in types], merges, _detect_pre(tokenizer, v))
+
+
+def _detect_pre(tokenizer: Any, vocab: _Vocab) -> str:
+    want = tokenizer.encode(_PRE_PROBE, add_special_tokens=False)
+    # GPT-2's plain split last: llama.cpp treats "default" as a fallback with its own rules
+    families = sorted(_PRE_TOKENIZER_FAMILIES, key=lambda f: f[0][0] == "default")
+    for names, spec in families:
+        if _byte_level_bpe(vocab, spec).encode(_PRE_PROBE, add_special_tokens=False).ids == want:
+            return names[0]
+    raise TokenizerError(
+        "the tokenizer's pre-tokenizer matches none llama.cpp knows "
+        f"({', '.join(n[0] for n, _ in _PRE_TOKENIZER_FAMILIES)}); cannot export it to GGUF"
+    )

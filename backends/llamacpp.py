@@ -1,0 +1,347 @@
+"""The llama.cpp backend (CPU): llama.cpp computes, the shared engine decides.
+
+llama.cpp keeps K/V in its own cells, tagged with sequence ids and positions;
+it has no notion of our blocks. `CellMap` mirrors the engine's block tables onto
+those cells:
+
+- each running engine sequence gets a llama.cpp sequence id (`lseq`);
+- a block's K/V lives in the cells of the lseqs that computed it (its holders);
+  a sequence that starts with computed tokens it has no cells for (a prefix-cache
+  hit, a forked n > 1 child) gets them by `llama_memory_seq_cp` from a holder,
+  which shares the cells rather than copying them (unified KV buffer);
+- when a sequence ends, cached full blocks that no one else holds move to keeper
+  lseqs (again by `seq_cp`), one block per position per keeper, so a later prefix
+  hit finds them; without a free keeper the block leaves the prefix cache
+  (`BlockManager.uncache`); then `llama_memory_seq_rm` frees the sequence's cells;
+- rejected speculative tokens are dropped with `seq_rm` from their position on;
+- a block id that is written anew invalidates keepers' stale cells for it.
+
+The context holds the engine's whole block pool, so cells never run out before
+blocks do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from edgellm.backends.base import kv_bytes_per_token
+
+from edgellm.errors import EdgeLLMError, InvalidParameterError
+from edgellm.scheduler import ScheduledSeq
+from edgellm.sequence import Sequence
+
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids per context
+
+
+class LlamaCppError(EdgeLLMError):
+    """llama.cpp refused or failed a call."""
+
+
+@dataclass
+class _LSeq:
+    """One llama.cpp sequence id: whose cells it holds, per block position."""
+
+    lseq: int
+    table: list[int | None] = field(default_factory=list)  # block id held at each position
+    n_cells: int = 0  # positions [0, n_cells) hold cells (live sequences)
+    # blocks it left by copy-on-write: block -> (position index, cells valid up to)
+    left: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+class CellMap:
+    """Engine sequences and cached blocks -> llama.cpp sequence ids and their cells."""
+
+    def __init__(self, mem, block_size: int, n_live: int, n_keepers: int):
+        import llama_cpp
+
+        self.ll, self.mem, self.bs = llama_cpp, mem, block_size
+        self.free_lseqs = list(range(n_live - 1, -1, -1))
+        self.live: dict[int, _LSeq] = {}  # engine seq_id -> its lseq
+        self.keepers = [_LSeq(n_live + i) for i in range(n_keepers)]
+        self.holders: dict[int, set[int]] = {}  # block id -> lseqs that may hold it
+        self.by_lseq: dict[int, _LSeq] = {k.lseq: k for k in self.keepers}
+        self.cow_src: dict[int, int] = {}  # this step's copy-on-write: dst block -> src block
+        self.block_manager = None
+
+    def copy_on_write(self, copies: list[tuple[int, int]]) -> None:
+        """A copied block's computed part is its source's: cells are shared, not copied."""
+        for src, dst in copies:
+            self._evict_stale(dst, keep=-1)
+            self.cow_src[dst] = src
+
+    # ---- running sequences --------------------------------------------------------------
+    def prepare(self, seq: Sequence) -> int:
+        """The sequence's lseq, with cells for exactly its computed tokens; returns the lseq."""
+        s = self.live.get(seq.seq_id)
+        if s is None:
+            if not self.free_lseqs:
+                raise LlamaCppError("out of llama.cpp sequence ids; lower --max-num-seqs")
+            s = self.live[seq.seq_id] = _LSeq(self.free_lseqs.pop())
+            self.by_lseq[s.lseq] = s
+        if s.n_cells > seq.num_computed_tokens:  # rolled back (speculation) or recomputing
+            self._rm(s.lseq, seq.num_computed_tokens, -1)
+            s.n_cells = seq.num_computed_tokens
+        self._sync_table(s, seq)
+        if s.n_cells < seq.num_computed_tokens:
+            self._fill(s, seq)
+        return s.lseq
+
+    def _sync_table(self, s: _LSeq, seq: Sequence) -> None:
+        """Adopt the engine's block table; fresh blocks drop stale claims on them."""
+        table = seq.block_table
+        for i, b in enumerate(table):
+            old = s.table[i] if i < len(s.table) else None
+            if old == b:
+                continue
+            if old is not None and s.n_cells > i * self.bs:  # left by copy-on-write
+                s.left[old] = (i, min(s.n_cells, (i + 1) * self.bs))
+                self.holders.setdefault(old, set()).add(s.lseq)
+            if i * self.bs >= seq.num_computed_tokens:  # new content: other claims are stale
+                self._evict_stale(b, keep=s.lseq)
+        s.table = list(table)
+        for i in range(len(table)):
+            self.holders.setdefault(table[i], set()).add(s.lseq)
+
+    def _fill(self, s: _LSeq, seq: Sequence) -> None:
+        """Share cells for computed tokens the lseq lacks (prefix hit, fork) from holders."""
+        end = seq.num_computed_tokens
+        for i in range(s.n_cells // self.bs, -(-end // self.bs)):
+            p0, p1 = max(i * self.bs, s.n_cells), min((i + 1) * self.bs, end)
+            b = seq.block_table[i]
+            src = self._holder(b, i, s.lseq, p1)
+            if src is None and b in self.cow_src:
+                src = self._holder(self.cow_src[b], i, s.lseq, p1)
+            if src is None:
+                raise LlamaCppError(f"no llama.cpp cells hold block {seq.block_table[i]}")
+            self.ll.llama_memory_seq_cp(self.mem, src, s.lseq, p0, p1)
+        s.n_cells = end
+
+    def _holder(self, block: int, index: int, exclude: int, need: int) -> int | None:
+        """An lseq whose cells at block position `index` are `block`, at least up to
+        position `need` (keepers hold whole blocks); stale entries are pruned on the way."""
+        for lseq in list(self.holders.get(block, ())):
+            h = self.by_lseq.get(lseq)
+            if h is None:
+                self.holders[block].discard(lseq)
+                continue
+            in_table = index < len(h.table) and h.table[index] == block
+            limit = h.left.get(block, (-1, 0))
+            if lseq != exclude and in_table and (h in self.keepers or h.n_cells >= need):
+                return lseq
+            if lseq != exclude and limit[0] == index and need <= limit[1]:
+                return lseq
+            if not in_table and limit[0] < 0:
+                self.holders[block].discard(lseq)
+        return None
+
+    def _evict_stale(self, block: int, keep: int) -> None:
+        for k in self.keepers:
+            if k.lseq != keep and block in k.table:
+                i = k.table.index(block)
+                self._rm(k.lseq, i * self.bs, (i + 1) * self.bs)
+                k.table[i] = None
+                self.holders.get(block, set()).discard(k.lseq)
+        for s in self.live.values():
+            s.left.pop(block, None)
+
+    def computed(self, seq: Sequence, n_tokens: int) -> None:
+        self.live[seq.seq_id].n_cells += n_tokens
+
+    # ---- ending and rolling back ------------------------------------------------------
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        s = self.live.get(seq.seq_id)
+        if s is not None and s.n_cells > num_tokens:
+            self._rm(s.lseq, num_tokens, -1)
+            s.n_cells = num_tokens
+
+    def release(self, seq: Sequence) -> None:
+        s = self.live.pop(seq.seq_id, None)
+        if s is None:
+            return
+        self._keep_cached(s)
+        self._rm(s.lseq, -1, -1)
+        del self.by_lseq[s.lseq]
+        for b in s.table:
+            self.holders.get(b, set()).discard(s.lseq)
+        self.free_lseqs.append(s.lseq)
+
+    def _keep_cached(self, s: _LSeq) -> None:
+        """Move the sequence's cached full blocks that no one else holds to keepers."""
+        bm = self.block_manager
+        if bm is None or not bm.enable_prefix_caching:
+            return
+        for i, b in enumerate(s.table[: s.n_cells // self.bs]):
+            full = (i + 1) * self.bs
+            if bm.blocks[b].hash is None or self._holder(b, i, s.lseq, full) is not None:
+                continue
+            keeper = next(
+                (k for k in self.keepers if len(k.table) <= i or k.table[i] is None), None
+            )
+            if keeper is None:
+                bm.uncache(b)
+                continue
+            self.ll.llama_memory_seq_cp(
+                self.mem, s.lseq, keeper.lseq, i * self.bs, (i + 1) * self.bs
+            )
+            keeper.table += [None] * (i + 1 - len(keeper.table))
+            keeper.table[i] = b
+            self.holders.setdefault(b, set()).add(keeper.lseq)
+
+    def _rm(self, lseq: int, p0: int, p1: int) -> None:
+        if not self.ll.llama_memory_seq_rm(self.mem, lseq, p0, p1):
+            raise LlamaCppError(f"llama_memory_seq_rm({lseq}, {p0}, {p1}) failed")
+
+    def cell_positions(self, lseq: int) -> tuple[int, int]:
+        """(min, max) position held by an lseq; (-1, -1) when it holds none."""
+        return (
+            self.ll.llama_memory_seq_pos_min(self.mem, lseq),
+            self.ll.llama_memory_seq_pos_max(self.mem, lseq),
+        )
+
+
+class LlamaCppBackend:
+    """Runs a GGUF file with llama.cpp; several sequences per `llama_decode`."""
+
+    name = "llamacpp"
+
+    def __init__(
+        self,
+        gguf_path: str | Path,
+        args,  # ModelArgs of the same file
+        kv_cache_mb: float = 512,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        threads: int | None = None,
+        flash_attn: bool = False,
+    ):
+        import llama_cpp
+        from llama_cpp import _logger
+
+        _logger.set_verbose(False)
+        self.ll = llama_cpp
+        self.block_size = block_size
+        self.vocab_size = args.vocab_size
+        per_block = block_size * kv_bytes_per_token(
+            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, torch.float16
+        )
+        self.num_blocks = int(kv_cache_mb * 2**20 // per_block)
+        if self.num_blocks < 2:
+            raise InvalidParameterError(
+                f"--kv-cache-mb {kv_cache_mb} holds only {self.num_blocks} blocks of {block_size} tokens"
+            )
+        limit = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        self.max_model_len = min(limit, self.num_blocks * block_size)
+        n_live = min(max_num_seqs, MAX_SEQ // 2)
+        self.threads = threads or os.cpu_count() or 1
+        self.n_batch = max_num_batched_tokens
+        self.flash_attn = flash_attn  # off by default, as llama-cpp-python's `Llama`
+        self._load(Path(gguf_path), n_live)
+        self.cells = CellMap(self.mem, block_size, n_live, MAX_SEQ - n_live)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+
+    def _load(self, path: Path, n_seq: int) -> None:
+        ll = self.ll
+        ll.llama_backend_init()
+        mparams = ll.llama_model_default_params()
+        self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise LlamaCppError(f"llama.cpp could not load {path}")
+        cparams = ll.llama_context_default_params()
+        # every cell of the engine's pool, plus one batch of slack for partly filled blocks
+        cparams.n_ctx = self.num_blocks * self.block_size + self.n_batch
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = min(512, self.n_batch)
+        cparams.n_seq_max = MAX_SEQ
+        cparams.kv_unified = True  # seq_cp shares cells; any sequence may use any cell
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.no_perf = True
+        cparams.flash_attn_type = (
+            ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if self.flash_attn
+            else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        self.ctx = ll.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise LlamaCppError("llama.cpp could not create a context (out of memory?)")
+        self.mem = ll.llama_get_memory(self.ctx)
+        n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
+        if n_vocab != self.vocab_size:
+            raise LlamaCppError(
+                f"{path}: llama.cpp sees {n_vocab} tokens, expected {self.vocab_size}"
+            )
+
+    def bind(self, block_manager) -> None:
+        self.cells.block_manager = block_manager
+
+    # ---- the forward pass ----------------------------------------------------------------
+    def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+        n = sum(item.num_tokens for item in batch)
+        if n > self.n_batch:
+            raise InvalidParameterError(f"{n} tokens in one step; the context takes {self.n_batch}")
+        b = self._batch
+        tokens = np.ctypeslib.as_array(b.token, (n,))
+        pos = np.ctypeslib.as_array(b.pos, (n,))
+        logits = np.ctypeslib.as_array(b.logits, (n,))
+        np.ctypeslib.as_array(b.n_seq_id, (n,))[:] = 1
+        logits[:] = 0
+        i = 0
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            lseq = self.cells.prepare(seq)
+            k = item.num_tokens
+            tokens[i : i + k] = seq.token_ids[start : start + k]
+            pos[i : i + k] = np.arange(start, start + k)
+            for j in range(i, i + k):
+                b.seq_id[j][0] = lseq
+            logits[i + k - (k if all_logits else item.logit_rows) : i + k] = 1
+            i += k
+        b.n_tokens = n
+        self.cells.cow_src.clear()
+        self._decode()
+        for item in batch:
+            self.cells.computed(item.seq, item.num_tokens)
+        return self._logits(int(logits.sum()))
+
+    def _decode(self) -> None:
+        rc = self.ll.llama_decode(self.ctx, self._batch)
+        if rc != 0:
+            raise LlamaCppError(f"llama_decode failed with code {rc}")
+
+    def _logits(self, rows: int) -> torch.Tensor:
+        if rows == 0:
+            return torch.empty(0, self.vocab_size)
+        ptr = self.ll.llama_get_logits(self.ctx)
+        arr = np.ctypeslib.as_array(
+            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (rows, self.vocab_size)
+        )
+        return torch.from_numpy(arr.copy())
+
+    # ---- storage hooks -------------------------------------------------------------------
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.cells.copy_on_write(copies)  # no data moves: sequences share cells
+
+    def release(self, seq: Sequence) -> None:
+        self.cells.release(seq)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        self.cells.truncate(seq, num_tokens)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.ll.llama_batch_free(self._batch)
+            self.ll.llama_free(self.ctx)
+            self.ll.llama_model_free(self.model)
+            self.ctx = self.model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

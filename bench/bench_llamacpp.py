@@ -1,0 +1,273 @@
+"""edgellm's llama.cpp backend beside llama-cpp-python's own generation, and the quality of
+our exact INT4 -> GGUF exports beside llama.cpp's own quantizer, in one run.
+
+Speed (SmolLM2-135M-Instruct Q4_1 GGUF, greedy, EOS ignored, same thread count):
+    single stream:  decode tok/s = (N - 1) / (time from the first to the N-th token),
+                    edgellm (engine + llama.cpp backend) ÷ `Llama.generate` on the same file
+    concurrency C:  C requests of N tokens submitted at once; aggregate tok/s =
+                    C·N / wall time, ÷ edgellm's single-stream decode tok/s
+Quality (perplexity computed by llama.cpp through our backend's logits, strided windows
+of 512 on held-out State of the Union text):
+    edgellm AWQ and GPTQ (w4 g128 and g32, exported exactly to Q4_0) vs llama.cpp's
+    `llama_model_quantize` Q4_0 and Q4_K_M of the same float (F16) weights.
+
+    python bench/bench_llamacpp.py                     # writes bench/results/llamacpp.{json,md,png}
+    python bench/bench_llamacpp.py --skip-quality      # speed only (a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_generate import machine_info  # noqa: E402
+from bench_quant import float_gguf, linear_bits, llama_cpp_quantize  # noqa: E402
+
+
+# ---- speed -----------------------------------------------------------------------------------
+def llama_decode(path: Path, ids: list[int], n: int, threads: int, repeats: int) -> list[float]:
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    rates = []
+    for _ in range(repeats):
+        t0 = t1 = time.perf_counter()
+        for k, _tok in enumerate(llm.generate(ids, temp=0, reset=True), start=1):
+            if k == 1:
+                t1 = time.perf_counter()
+            if k == n:
+                break
+        rates.append((n - 1) / (time.perf_counter() - t1))
+        del t0
+    llm.close()
+    return rates
+
+
+def edgellm_llm(path: Path, threads: int, max_num_seqs: int = 64):
+    from edgellm import LLM
+
+    # no prefix caching: repeats of one prompt must recompute it, as Llama.generate(reset=True) does
+    return LLM(
+        str(path),
+        backend="llamacpp",
+        threads=threads,
+        kv_cache_mb=256,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,
+    )
+
+
+def edgellm_decode(llm, ids: list[int], n: int, repeats: int) -> list[float]:
+    from edgellm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    rates = []
+    for _ in range(repeats):
+        out = llm.generate([ids], params)[0]
+        m = out.metrics
+        rates.append((n - 1) / (m["e2e_s"] - m["ttft_s"]))
+    return rates
+
+
+def edgellm_concurrent(llm, prompts: list[list[int]], n: int) -> float:
+    from edgellm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == n for o in outs)
+    return len(prompts) * n / wall
+
+
+def speed(args, bar, task) -> dict:
+    from edgellm.registry import resolve_model
+    from edgellm.texts import load_text
+
+    path = resolve_model(None)
+    llm = edgellm_llm(path, args.threads)
+    words = load_text("sotu").split()
+    prompts = [
+        llm.tokenizer.encode(" ".join(words[i * 300 : i * 300 + 40]), add_special_tokens=False)[:32]
+        for i in range(max(args.concurrency))
+    ]
+    res = {"llama_cpp": [], "edgellm": []}
+    for _ in range(args.rounds):  # alternate, so a noisy neighbour hurts both sides alike
+        res["edgellm"] += edgellm_decode(llm, prompts[0], args.tokens, 1)
+        bar.advance(task)
+        res["llama_cpp"] += llama_decode(path, prompts[0], args.tokens, args.threads, 1)
+        bar.advance(task)
+    single = statistics.median(res["edgellm"])
+    conc = {}
+    for c in args.concurrency:
+        conc[c] = edgellm_concurrent(llm, prompts[:c], args.tokens)
+        bar.advance(task)
+    return {
+        "decode_tok_s": {k: statistics.median(v) for k, v in res.items()},
+        "raw_decode_tok_s": res,
+        "ratio_vs_llama_cpp": single / statistics.median(res["llama_cpp"]),
+        "aggregate_tok_s": conc,
+        "aggregate_vs_single": {c: v / single for c, v in conc.items()},
+    }
+
+
+# ---- quality ---------------------------------------------------------------------------------
+def quality(args, bar, task) -> list[dict]:
+    from edgellm.quantize import QuantizeOptions, quantize
+    from edgellm.quantize.export_gguf import export_gguf
+
+    from edgellm.registry import resolve_model
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    f16 = work / "float-f16.gguf"
+    if not f16.exists():
+        float_gguf(resolve_model(None), f16)
+    files = {"float (F16)": f16}
+    for ftype in ("Q4_0", "Q4_K_M"):
+        out = work / f"llamacpp-{ftype}.gguf"
+        if not out.exists():
+            llama_cpp_quantize(f16, out, ftype)
+        files[f"llama.cpp {ftype}"] = out
+        bar.advance(task)
+    for method in ("awq", "gptq"):
+        for group in (128, 32):
+            label = f"edgellm {method.upper()} w4g{group} -> Q4_0"
+            ckpt = work / f"{method}-g{group}"
+            if not ckpt.exists():
+                opts = QuantizeOptions(method, 4, group, True, n_samples=args.samples)
+                quantize(None, ckpt, opts, force=True, progress=False)
+            files[label] = export_gguf(ckpt, work / f"{method}-g{group}.gguf", force=True)
+            bar.advance(task)
+    rows = []
+    for label, path in files.items():
+        rows.append(
+            {"model": label, "bits_per_weight": linear_bits(path), **perplexity(path, args)}
+        )
+        bar.advance(task)
+    return rows
+
+
+def perplexity(path: Path, args) -> dict:
+    from edgellm import LLM
+    from edgellm.evaluate import perplexity as ppl
+    from edgellm.texts import load_text
+
+    llm = LLM(
+        str(path),
+        backend="llamacpp",
+        threads=args.threads,
+        kv_cache_mb=64,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+    )
+    text = load_text("sotu")  # held out: calibration uses the addresses before 2000
+    tokens = llm.tokenizer.encode(text, add_special_tokens=False)[: args.eval_tokens]
+    r = ppl(llm.score, tokens, ctx=512)
+    llm.engine.backend.close()
+    return {"ppl_sotu": r.ppl, "tokens_scored": r.tokens_scored}
+
+
+# ---- report ----------------------------------------------------------------------------------
+def markdown(result: dict, command: str) -> str:
+    s = result["speed"]
+    lines = [
+        f"`{command}` ({result['machine']['cpu']}, {result['machine']['threads']} threads, "
+        f"{result['machine']['date']})",
+        "",
+        "| single stream, decode | tok/s | ratio |",
+        "|---|---|---|",
+        f"| llama-cpp-python `Llama.generate` | {s['decode_tok_s']['llama_cpp']:.1f} | 1.00 |",
+        f"| edgellm engine + llama.cpp backend | {s['decode_tok_s']['edgellm']:.1f} | "
+        f"{s['ratio_vs_llama_cpp']:.2f} |",
+        "",
+        "| concurrent requests | aggregate tok/s | ÷ single stream |",
+        "|---|---|---|",
+    ]
+    for c, v in s["aggregate_tok_s"].items():
+        lines.append(f"| {c} | {v:.1f} | {s['aggregate_vs_single'][c]:.2f}× |")
+    if result.get("quality"):
+        lines += [
+            "",
+            "| model (all run by llama.cpp) | bits/weight | perplexity (sotu) |",
+            "|---|---|---|",
+        ]
+        for r in result["quality"]:
+            lines.append(f"| {r['model']} | {r['bits_per_weight']:.2f} | {r['ppl_sotu']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["speed"]
+    n = 2 if result.get("quality") else 1
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4), squeeze=False)
+    ax = axes[0][0]
+    cs = [1, *s["aggregate_tok_s"]]
+    ys = [s["decode_tok_s"]["edgellm"], *s["aggregate_tok_s"].values()]
+    ax.plot([str(c) for c in cs], ys, "o-", label="edgellm + llama.cpp backend")
+    ax.axhline(
+        s["decode_tok_s"]["llama_cpp"], color="gray", ls="--", label="Llama.generate, 1 stream"
+    )
+    ax.set(xlabel="concurrent requests", ylabel="aggregate decode tok/s", title="SmolLM2-135M Q4_1")
+    ax.legend()
+    if n == 2:
+        ax = axes[0][1]
+        rows = result["quality"]
+        ax.barh([r["model"] for r in rows], [r["ppl_sotu"] for r in rows], color="tab:green")
+        ax.set(xlabel="perplexity (lower is better)", title="computed by llama.cpp")
+        lo = min(r["ppl_sotu"] for r in rows)
+        ax.set_xlim(lo * 0.95, max(r["ppl_sotu"] for r in rows) * 1.02)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--rounds", type=int, default=5, help="single-stream repeats per engine")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--samples", type=int, default=32, help="calibration samples (AWQ/GPTQ)")
+    ap.add_argument("--eval-tokens", type=int, default=8192)
+    ap.add_argument("--work-dir", default="/tmp/edgellm-bench-llamacpp")
+    ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = ap.parse_args(argv)
+    from rich.console import Console
+    from rich.markdown import Markdown
+    from rich.progress import Progress
+
+    command = "python " + shlex.join(["bench/bench_llamacpp.py", *(argv or sys.argv[1:])])
+    total = 2 * args.rounds + len(args.concurrency) + (0 if args.skip_quality else 2 + 4 + 7)
+    with Progress() as bar:
+        task = bar.add_task("benchmark", total=total)
+        result = {"speed": speed(args, bar, task)}
+        if not args.skip_quality:
+            result["quality"] = quality(args, bar, task)
+    result["machine"] = machine_info(args.threads)
+    result["command"] = command
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "llamacpp.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result, command)
+    (args.out_dir / "llamacpp.md").write_text(md)
+    plot(result, args.out_dir / "llamacpp.png")
+    Console().print(Markdown(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""GGUF export: blocks decoded by gguf-py's reference codecs equal our dequantized weights;
+llama.cpp loads the file and computes the same logits as our torch backend."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from edgellm.quantize.export_gguf import exact_type, export_gguf, int_blocks, permute_qk
+from edgellm.quantize.rtn import QuantConfig, dequantize, quantize_rtn
+
+from edgellm.errors import InvalidParameterError
+from edgellm.loaders.gguf import unpermute_qk
+from edgellm.loaders.model import build_model, load_model
+from tests.conftest import bpe_tokenizer, tiny_hf_model
+from tests.test_checkpoint import write_checkpoint
+
+Q = gguf.GGMLQuantizationType
+
+
+def fp16_reference(qw, zero_rounding: bool) -> torch.Tensor:
+    """What the GGUF blocks must decode to: our dequantization with fp16 d (and m)."""
+    d = qw.scale.to(torch.float16).float()
+    if qw.zero is None:
+        return dequantize(qw.q, d, None, qw.config)
+    g = qw.config.group_len(qw.q.shape[1])
+    m = (-(8 + qw.zero.float()) * qw.scale.float()).to(torch.float16).float()
+    qg = (qw.q.float() + 8).view(qw.q.shape[0], -1, g)
+    return (qg * d[..., None] + m[..., None]).view(qw.q.shape) if zero_rounding else None
+
+
+@pytest.mark.parametrize(
+    "bits,group,sym", [(4, 32, True), (4, 64, False), (4, 128, True), (4, -1, False), (8, 32, True)]
+)
+def test_blocks_decode_to_our_weights(bits, group, sym):
+    torch.manual_seed(bits + group)
+    w = torch.randn(48, 256) * torch.rand(48, 1)
+    qw = quantize_rtn(w, QuantConfig(bits, group, sym))
+    qtype = exact_type(bits, sym)
+    blocks = int_blocks(qw.q, qw.scale, qw.zero, bits, qtype)
+    decoded = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(w.shape).copy())
+    want = fp16_reference(qw, zero_rounding=True)
+    assert torch.equal(decoded, want)  # bit for bit, against gguf-py's own codec
+    # and that is our dequantization up to fp16 rounding (2^-11 relative) of d and m
+    ours = qw.dequantize()
+    levels = 2 ** (bits - 1) * (1 if sym else 4)  # |q - zero| and |m| / scale bounds
+    assert (decoded - ours).abs().max() <= 2**-11 * qw.scale.max() * levels
+
+
+def test_symmetric_codes_also_fit_q4_1():
+    qw = quantize_rtn(torch.randn(8, 64), QuantConfig(4, 32, True))
+    blocks = int_blocks(qw.q, qw.scale, None, 4, Q.Q4_1)
+    decoded = torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_1).reshape(8, 64).copy())
+    assert (decoded - qw.dequantize()).abs().max() <= 2**-11 * qw.scale.max() * 16
+
+
+def test_impossible_exports_are_refused():
+    qw = quantize_rtn(torch.randn(8, 64), QuantConfig(4, 32, False))
+    with pytest.raises(InvalidParameterError, match="re-quantizing"):
+        int_blocks(qw.q, qw.scale, qw.zero, 4, Q.Q4_0)
+    qw = quantize_rtn(torch.randn(8, 96), QuantConfig(4, 48, True))
+    with pytest.raises(InvalidParameterError, match="multiple of 32"):
+        int_blocks(qw.q, qw.scale, qw.zero, 4, Q.Q4_0)
+    with pytest.raises(InvalidParameterError, match="exactly"):
+        exact_type(3, True)
+
+
+def test_permute_is_the_inverse_of_the_loader():
+    w = torch.randn(4 * 16, 8)
+    assert torch.equal(unpermute_qk(permute_qk(w, 4), 4), w)
+    assert not torch.equal(permute_qk(w, 4), w)
+
+
+CASES = {
+    "llama-sym-g32": ("llama", QuantConfig(4, 32, True)),
+    "qwen2-asym-g64": ("qwen2", QuantConfig(4, 64, False)),
+    "llama-asym-channel": ("llama", QuantConfig(4, -1, False)),
+}
+
+
+def quantize_tiny(model_type: str, qconfig: QuantConfig):
+    """A tiny model (vocab 264, as `bpe_tokenizer`) and RTN codes of its decoder Linears."""
+    hf, cfg = tiny_hf_model(model_type, vocab_size=264)
+    qws = {
+        n.removesuffix(".weight"): quantize_rtn(t, qconfig)
+        for n, t in hf.state_dict().items()
+        if n.endswith("proj.weight")
+    }
+    return hf, cfg, qws
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(request, tmp_path_factory):
+    model_type, qconfig = CASES[request.param]
+    hf, cfg, qws = quantize_tiny(model_type, qconfig)
+    root = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(root / "ckpt", hf, cfg, qws, qconfig, tokenizer=bpe_tokenizer())
+    out = export_gguf(root / "ckpt", root / "model.gguf")
+    return root / "ckpt", out, qconfig
+
+
+def test_exported_tensors_equal_checkpoint_weights(exported):
+    ckpt, path, qconfig = exported
+    ours = load_model(ckpt)
+    back = load_model(path)  # our GGUF loader: gguf-py dequantization + q/k un-permutation
+    types = {t.name: t.tensor_type for t in back.weights.reader.tensors}
+    assert types["blk.0.attn_q.weight"] == exact_type(4, qconfig.symmetric)
+    assert types["token_embd.weight"] in (Q.BF16, Q.F16, Q.F32)
+    model = build_model(ours)
+    for name, module in model.named_modules():
+        if not hasattr(module, "weight_packed"):
+            continue
+        got = back.weights.get(f"{name}.weight")
+        want = module.dequantize()
+        tol = 0 if qconfig.symmetric else 2e-2 * module.weight_scale.float().abs().max()
+        assert (got - want).abs().max() <= tol, name
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        assert torch.equal(back.weights.get(name), ours.weights.get(name).float())
+
+
+def test_llamacpp_logits_match_torch(exported):
+    from edgellm.backends.llamacpp import LlamaCppBackend
+    from edgellm.backends.torch import TorchBackend
+
+    from edgellm.sampling_params import SamplingParams
+    from edgellm.scheduler import ScheduledSeq
+    from edgellm.sequence import Sequence
+
+    ckpt, path, _ = exported
+    loaded = load_model(ckpt)
+    ids = [3, 17, 101, 44, 250, 9, 77, 128, 5, 60, 61, 62]
+    rows = {}
+    backends = {
+        "torch": TorchBackend(build_model(loaded), kv_cache_mb=1, block_size=4),
+        "llamacpp": LlamaCppBackend(path, loaded.args, kv_cache_mb=1, block_size=4),
+    }
+    for name, backend in backends.items():
+        seq = Sequence("r", list(ids), SamplingParams())
+        seq.block_table = list(range(3))
+        rows[name] = backend.forward([ScheduledSeq(seq, len(ids))], all_logits=True)
+    assert rows["llamacpp"].shape == rows["torch"].shape == (len(ids), 264)
+    # llama.cpp quantizes activations to 8 bits for its INT4 dot products: close, not equal
+    err = (rows["llamacpp"] - rows["torch"]).abs().max() / rows["torch"].abs().max()
+    assert err < 0.03, f"relative error {err:.4f}"
+    agree = (rows["llamacpp"].argmax(-1) == rows["torch"].argmax(-1)).float().mean()
+    assert agree >= 0.9
+
+
+def test_float_export_and_refusals(tmp_path):
+    hf, cfg, qws = quantize_tiny("llama", QuantConfig(4, 32, True))
+    write_checkpoint(tmp_path / "ckpt", hf, cfg, qws, QuantConfig(4, 32, True), bpe_tokenizer())
+    with pytest.raises(InvalidParameterError, match="re-quantizing"):
+        export_gguf(tmp_path / "ckpt", tmp_path / "x.gguf", "q8_0")
+    assert not (tmp_path / "x.gguf").exists()
+    f16 = export_gguf(tmp_path / "ckpt", tmp_path / "f16.gguf", "f16")
+    reader = gguf.GGUFReader(f16)
+    assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {Q.F16}
+    # a float model (the f16 export itself) to Q8_0; asking it for Q4_0 says to quantize first
+    q8 = export_gguf(f16, tmp_path / "q8.gguf", "q8_0")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(q8).tensors}
+    assert types["blk.0.ffn_down.weight"] == Q.Q8_0
+    with pytest.raises(InvalidParameterError, match="quantize first"):
+        export_gguf(f16, tmp_path / "q4.gguf", "q4_0")
+    assert np.array_equal(
+        load_model(q8).weights.get("model.norm.weight").numpy(),
+        load_model(f16).weights.get("model.norm.weight").numpy(),
+    )
