@@ -212,9 +212,17 @@ def completion_logprobs(token_ids: list[int], logprobs: list, tokenizer) -> dict
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _ in logprobs],
-        "top_logprobs": [{tokenizer.decode([t]): v for t, v in top.items()} for _, top in logprobs],
+        "top_logprobs": [_by_text(top, tokenizer) for _, top in logprobs],
         "text_offset": offsets,
     }
+
+
+def _by_text(top: dict[int, float], tokenizer) -> dict[str, float]:
+    """Alternatives keyed by their text; where two decode alike the likelier one is kept."""
+    out: dict[str, float] = {}
+    for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
+        out.setdefault(tokenizer.decode([t]), v)
+    return out
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
