@@ -100,7 +100,9 @@ def _print_stats(out) -> None:
 @app.command()
 def chat(
     model: ModelOpt = None,
-    backend: BackendOpt = "torch",
+    backend: Annotated[
+        str, typer.Option("--backend", "-b", help="auto (MLX, Triton, llama.cpp, torch) or one")
+    ] = "auto",
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     max_tokens: MaxTokens = 512,
     temperature: float = 0.7,
@@ -113,6 +115,32 @@ def chat(
     llm = _llm(model, backend)
     params = _params(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     run_chat(llm, params, system)
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
+    port: int = 8000,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="EDGELLM_API_KEY", help="require this bearer key")
+    ] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model id clients use")] = None,
+    kv_cache_mb: float = 512,
+    max_num_seqs: int = 64,
+    max_waiting: Annotated[int, typer.Option(help="queued requests beyond this get 429")] = 256,
+    ctx: Annotated[int | None, typer.Option(help="context length limit")] = None,
+):
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /metrics)."""
+    from edgellm.serve import ServerConfig, run_server
+
+    llm = _llm(
+        model, backend, kv_cache_mb=kv_cache_mb, max_num_seqs=max_num_seqs, max_model_len=ctx
+    )
+    name = served_model_name or model or "smollm2-135m"
+    typer.echo(f"serving {name} on http://{host}:{port}/v1 (backend {llm.backend_name})", err=True)
+    run_server(llm, ServerConfig(host, port, name, api_key, max_waiting))
 
 
 @app.command()
