@@ -144,6 +144,63 @@ def serve(
 
 
 @app.command()
+def bench(
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    url: Annotated[
+        str | None, typer.Option(help="OpenAI-compatible server (default: in-process engine)")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="EDGELLM_API_KEY")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model id at --url")] = None,
+    concurrency: Annotated[
+        list[int] | None, typer.Option("--concurrency", "-c", help="level (repeat to sweep)")
+    ] = None,
+    rate: Annotated[float | None, typer.Option(help="Poisson arrivals per second")] = None,
+    num_requests: int = 32,
+    prompt_len: int = 128,
+    output_len: int = 64,
+    dist: Annotated[str, typer.Option(help="fixed | uniform | exponential")] = "fixed",
+    prompt_file: Annotated[str | None, typer.Option(help="one prompt per line")] = None,
+    out: Annotated[
+        str, typer.Option(help="JSON report (PNG beside it)")
+    ] = "bench/results/serve.json",
+    seed: int = 0,
+):
+    """Load test: TTFT, TPOT, end-to-end P50/P90/P99 and throughput; writes JSON + PNG."""
+    from pathlib import Path
+
+    from edgellm import loadgen
+
+    levels = concurrency or [1, 4, 16]
+    if url:
+        from edgellm.loaders.model import load_model
+
+        target = loadgen.HTTPTarget(url, served_model_name or model or "smollm2-135m", api_key)
+        tok, where = load_model(model).tokenizer, url
+    else:
+        from edgellm.async_engine import AsyncEngine
+
+        llm = _llm(model, backend, max_num_seqs=max(levels))
+        target = loadgen.EngineTarget(AsyncEngine(llm.engine))
+        tok, where = llm.tokenizer, f"in-process {llm.backend_name} engine"
+    work = loadgen.make_workload(tok, num_requests, prompt_len, output_len, dist, seed, prompt_file)
+    results = loadgen.sweep(target, work, levels, rate)
+    meta = {
+        "target": where,
+        "model": model or "smollm2-135m",
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "dist": dist,
+        "title": f"{model or 'smollm2-135m'} on {where}: {num_requests} requests, "
+        f"prompt {prompt_len} / output {output_len} tokens",
+    }
+    png = loadgen.write_report(results, meta, Path(out))
+    typer.echo(loadgen.format_table(results))
+    typer.echo(f"wrote {out} and {png}")
+
+
+@app.command()
 def info(
     model: Annotated[
         str | None, typer.Argument(help="GGUF file, HF directory or short name")
