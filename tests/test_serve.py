@@ -316,3 +316,42 @@ def test_smollm2_chat_equals_llm_chat():
     assert json.loads(r.model_dump_json())["usage"]["completion_tokens"] == len(
         want.outputs[0].token_ids
     )
+
+
+@pytest.mark.slow
+def test_serve_command_binds_loopback_and_requires_key(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = str(Path(sys.executable).with_name("edgellm"))
+    env = os.environ | {"EDGELLM_API_KEY": "k1"}
+    proc = subprocess.Popen(
+        [exe, "serve", "--port", str(port), "--kv-cache-mb", "32"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
+        assert [m.id for m in c.models.list()] == ["smollm2-135m"]
+        r = c.completions.create(model="smollm2-135m", prompt="1, 2, 3,", max_tokens=4)
+        assert r.usage.completion_tokens == 4
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
