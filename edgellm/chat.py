@@ -1,58 +1,133 @@
-"""The interactive chat loop behind `edgellm chat`."""
+"""The interactive chat loop behind `edgellm chat`: streaming answers, history, slash commands."""
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from edgellm.sampling_params import SamplingParams
 
-HELP = "/help  /reset  /system TEXT  /exit    (Ctrl-C stops an answer, Ctrl-D quits)"
+HELP = (
+    "/help  /reset  /system TEXT  /stats  /save FILE  /exit"
+    "    (Ctrl-C stops an answer, Ctrl-D quits)"
+)
+
+
+@dataclass
+class ChatSession:
+    """A conversation: system prompt, history and per-session counters."""
+
+    system: str | None = None
+    history: list[dict] = field(default_factory=list)
+    turns: int = 0
+    generated_tokens: int = 0
+    last_metrics: dict = field(default_factory=dict)
+
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.history
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    def save(self, path: str) -> Path:
+        out = Path(path).expanduser()
+        out.write_text(json.dumps({"messages": self.messages()}, indent=2, ensure_ascii=False))
+        return out
+
+
+def status_line(m: dict) -> str:
+    """`ttft 120 ms · 31.5 tok/s` (plus `acceptance 72%` when a speculative layer reports it)."""
+    parts = [
+        f"ttft {m.get('ttft_s', 0) * 1000:.0f} ms",
+        f"{m.get('decode_tokens_per_s', 0):.1f} tok/s",
+    ]
+    if m.get("acceptance") is not None:
+        parts.append(f"acceptance {m['acceptance']:.0%}")
+    return " · ".join(parts)
 
 
 def run_chat(llm, params: SamplingParams, system: str | None = None) -> None:
     from rich.console import Console
 
-    err = Console(stderr=True)
-    history: list[dict] = []
-    err.print(f"[dim]{HELP}[/dim]")
+    err = Console(stderr=True, highlight=False)
+    session = ChatSession(system)
+    err.print(f"[dim]backend {llm.backend_name} · {HELP}[/dim]")
     while True:
         try:
             line = input("> ").strip()
         except EOFError:
             break
+        except KeyboardInterrupt:  # at the prompt: a fresh line, not an exit
+            sys.stdout.write("\n")
+            continue
         if not line:
             continue
         if line.startswith("/"):
-            cmd, _, arg = line.partition(" ")
-            if cmd == "/exit":
+            if _command(line, session, llm, err):
                 break
-            if cmd == "/reset":
-                history.clear()
-            elif cmd == "/system":
-                system = arg or None
-                history.clear()
-            else:
-                err.print(HELP)
             continue
-        history.append({"role": "user", "content": line})
-        messages = ([{"role": "system", "content": system}] if system else []) + history
-        answer = _answer(llm, messages, params)
-        history.append({"role": "assistant", "content": answer})
-        m = llm.last_output.metrics
-        err.print(
-            f"[dim]ttft {m.get('ttft_s', 0) * 1000:.0f} ms · {m.get('decode_tokens_per_s', 0):.1f} tok/s[/dim]"
-        )
+        _turn(llm, session, line, params, err)
 
 
-def _answer(llm, messages: list[dict], params: SamplingParams) -> str:
+def _command(line: str, session: ChatSession, llm, err) -> bool:
+    """Run one slash command; True means quit."""
+    cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if cmd in ("/exit", "/quit"):
+        return True
+    if cmd == "/reset":
+        session.reset()
+        err.print("[dim]history cleared[/dim]")
+    elif cmd == "/system":
+        session.system = arg or None
+        session.reset()
+        err.print(f"[dim]system prompt {'set' if arg else 'cleared'}; history cleared[/dim]")
+    elif cmd == "/stats":
+        err.print(_stats(session, llm))
+    elif cmd == "/save" and arg:
+        err.print(f"[dim]saved {len(session.messages())} messages to {session.save(arg)}[/dim]")
+    else:
+        err.print(HELP)
+    return False
+
+
+def _stats(session: ChatSession, llm) -> str:
+    m = llm.engine.metrics()
+    return (
+        f"turns {session.turns} · generated {session.generated_tokens} tokens · "
+        f"last: {status_line(session.last_metrics)} · KV blocks {m['blocks_used']}/"
+        f"{m['blocks_total']} · prefix-cache hit rate {m['prefix_cache_hit_rate']:.0%} · "
+        f"backend {llm.backend_name}"
+    )
+
+
+def _turn(llm, session: ChatSession, line: str, params: SamplingParams, err) -> None:
+    session.history.append({"role": "user", "content": line})
+    answer, stopped = _answer(llm, session.messages(), params)
+    session.history.append({"role": "assistant", "content": answer})
+    out = llm.last_output
+    session.turns += 1
+    session.generated_tokens += len(out.outputs[0].token_ids)
+    session.last_metrics = out.metrics
+    note = " · stopped" if stopped else ""
+    err.print(f"[dim]{status_line(out.metrics)}{note}[/dim]")
+
+
+def _answer(llm, messages: list[dict], params: SamplingParams) -> tuple[str, bool]:
     parts = []
     stream = llm.stream_chat(messages, params)
+    stopped = False
     try:
         for delta in stream:
             parts.append(delta)
             sys.stdout.write(delta)
             sys.stdout.flush()
     except KeyboardInterrupt:
+        stopped = True
         stream.close()  # aborts the request and frees its KV blocks
     sys.stdout.write("\n")
-    return "".join(parts)
+    sys.stdout.flush()
+    return "".join(parts), stopped

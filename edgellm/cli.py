@@ -102,7 +102,9 @@ def _print_stats(out) -> None:
 @app.command()
 def chat(
     model: ModelOpt = None,
-    backend: BackendOpt = "torch",
+    backend: Annotated[
+        str, typer.Option("--backend", "-b", help="auto (MLX, Triton, llama.cpp, torch) or one")
+    ] = "auto",
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     max_tokens: MaxTokens = 512,
     temperature: float = 0.7,
@@ -115,6 +117,89 @@ def chat(
     llm = _llm(model, backend)
     params = _params(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     run_chat(llm, params, system)
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
+    port: int = 8000,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="EDGELLM_API_KEY", help="require this bearer key")
+    ] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model id clients use")] = None,
+    kv_cache_mb: float = 512,
+    max_num_seqs: int = 64,
+    max_waiting: Annotated[int, typer.Option(help="queued requests beyond this get 429")] = 256,
+    ctx: Annotated[int | None, typer.Option(help="context length limit")] = None,
+):
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /metrics)."""
+    from edgellm.serve import ServerConfig, run_server
+
+    llm = _llm(
+        model, backend, kv_cache_mb=kv_cache_mb, max_num_seqs=max_num_seqs, max_model_len=ctx
+    )
+    name = served_model_name or model or "smollm2-135m"
+    typer.echo(f"serving {name} on http://{host}:{port}/v1 (backend {llm.backend_name})", err=True)
+    run_server(llm, ServerConfig(host, port, name, api_key, max_waiting))
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    url: Annotated[
+        str | None, typer.Option(help="OpenAI-compatible server (default: in-process engine)")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="EDGELLM_API_KEY")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model id at --url")] = None,
+    concurrency: Annotated[
+        list[int] | None, typer.Option("--concurrency", "-c", help="level (repeat to sweep)")
+    ] = None,
+    rate: Annotated[float | None, typer.Option(help="Poisson arrivals per second")] = None,
+    num_requests: int = 32,
+    prompt_len: int = 128,
+    output_len: int = 64,
+    dist: Annotated[str, typer.Option(help="fixed | uniform | exponential")] = "fixed",
+    prompt_file: Annotated[str | None, typer.Option(help="one prompt per line")] = None,
+    out: Annotated[
+        str, typer.Option(help="JSON report (PNG beside it)")
+    ] = "bench/results/serve.json",
+    seed: int = 0,
+):
+    """Load test: TTFT, TPOT, end-to-end P50/P90/P99 and throughput; writes JSON + PNG."""
+    from pathlib import Path
+
+    from edgellm import loadgen
+
+    levels = concurrency or [1, 4, 16]
+    if url:
+        from edgellm.loaders.model import load_model
+
+        target = loadgen.HTTPTarget(url, served_model_name or model or "smollm2-135m", api_key)
+        tok, where = load_model(model).tokenizer, url
+    else:
+        from edgellm.async_engine import AsyncEngine
+
+        llm = _llm(model, backend, max_num_seqs=max(levels))
+        target = loadgen.EngineTarget(AsyncEngine(llm.engine))
+        tok, where = llm.tokenizer, f"in-process {llm.backend_name} engine"
+    work = loadgen.make_workload(tok, num_requests, prompt_len, output_len, dist, seed, prompt_file)
+    results = loadgen.sweep(target, work, levels, rate)
+    meta = {
+        "target": where,
+        "model": model or "smollm2-135m",
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "dist": dist,
+        "title": f"{model or 'smollm2-135m'} on {where}: {num_requests} requests, "
+        f"prompt {prompt_len} / output {output_len} tokens",
+    }
+    png = loadgen.write_report(results, meta, Path(out))
+    typer.echo(loadgen.format_table(results))
+    typer.echo(f"wrote {out} and {png}")
 
 
 @app.command()
