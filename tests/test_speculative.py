@@ -16,8 +16,10 @@ from edgellm.speculative import (
     Controller,
     DraftProposer,
     NgramProposer,
+    Proposal,
     SpeculativeConfig,
     choose_k,
+    verify,
 )
 from tests.conftest import byte_tokenizer, ours_from_hf, run_all, tiny_hf_model
 
@@ -40,21 +42,22 @@ def make_backend(request):
 
 
 @functools.cache
-def hf_pair(noise: float, sharpen: float = 1.0):
-    """A tiny target and a draft with the same vocab: the target's weights plus noise."""
+def hf_pair(noise: float, sharpen: float = 1.0, overconfident: float = 1.0):
+    """A tiny target and a draft with the same vocab: the target's weights plus noise,
+    logits scaled by `sharpen` (both) and `overconfident` (the draft only)."""
     target, config = tiny_hf_model("llama", seed=0)
     draft, _ = tiny_hf_model("llama", seed=0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for m in (target, draft):
-            m.lm_head.weight.mul_(sharpen)
+        target.lm_head.weight.mul_(sharpen)
+        draft.lm_head.weight.mul_(sharpen * overconfident)
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
     return target, draft, config
 
 
-def models(noise: float = 0.3, sharpen: float = 1.0):
-    target, draft, config = hf_pair(noise, sharpen)
+def models(noise: float = 0.3, sharpen: float = 1.0, overconfident: float = 1.0):
+    target, draft, config = hf_pair(noise, sharpen, overconfident)
     return ours_from_hf(target, config), ours_from_hf(draft, config)
 
 
@@ -143,7 +146,7 @@ def test_greedy_identical_with_unrelated_draft_and_adaptive_k(make_backend):
 
 def test_batched_speculation_equals_alone(make_backend):
     target, draft = models(noise=0.5)
-    ps = prompts(5, seed=3) + prompts(3, seed=4, repeat=True)
+    ps = prompts(3, seed=3) + prompts(2, seed=4, repeat=True)
     alone = [
         tokens(run_checked(spec_engine(make_backend, target, draft), [p], GREEDY))[0] for p in ps
     ]
@@ -231,20 +234,28 @@ def second_token_distribution(hf, prompt: list[int], params: SamplingParams) -> 
         batch = torch.tensor([prompt + [int(t)] for t in support])
         rows = hf(batch).logits[:, -1]
     p2 = torch.stack(
-        [process_logits(r, params, prompt, [int(t)]).softmax(-1) for r, t in zip(rows, support)]
+        [
+            process_logits(r, params, prompt, [int(t)]).softmax(-1)
+            for r, t in zip(rows, support, strict=True)
+        ]
     )
     return (p1[support, None] * p2).sum(0)
 
 
+# an overconfident draft: where it is rejected, the target's residual must exclude its token
+SHARP = (0.3, 3.0, 4.0)
+
+
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_sampled_tokens_follow_the_target_distribution(make_backend, method):
-    target_hf, _, config = hf_pair(0.6, sharpen=4.0)
-    target, draft = models(0.6, sharpen=4.0)
+    target_hf, _, config = hf_pair(*SHARP)
+    target, draft = models(*SHARP)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, ignore_eos=True)
-    prompt = [7, 30, 99, 7, 30, 120, 45, 99, 7, 30]
+    # every token occurs in the prompt, so the n-gram proposer (n >= 1) always drafts
+    prompt = torch.randperm(256, generator=torch.Generator().manual_seed(0)).tolist() + [7, 30]
     expected = second_token_distribution(target_hf, prompt, params)
     eng = spec_engine(make_backend, target, draft if method == "draft" else None, k=2, ngram_min=1)
-    n = 2000
+    n = 1500
     reqs = [SamplingParams(**{**_fields(params), "seed": i}) for i in range(n)]
     ids = [eng.add_request(prompt, r) for r in reqs]
     while eng.has_unfinished():
@@ -254,6 +265,28 @@ def test_sampled_tokens_follow_the_target_distribution(make_backend, method):
     second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
     observed = torch.bincount(second, minlength=expected.numel()).float()
     assert chi_square_pvalue(observed, expected * n) > 1e-3
+
+
+@pytest.mark.parametrize("drafter", ["model", "one-hot"])
+def test_acceptance_rule_reproduces_the_target_distribution(drafter):
+    """The rule alone, many draws: drafted token ~ q (or a fixed one-hot guess), output ~ p."""
+    g = torch.Generator().manual_seed(0)
+    logits_p = torch.randn(12, generator=g) * 1.5  # processed target logits, 12 tokens
+    q = (2.5 * logits_p + torch.randn(12, generator=g)).softmax(-1)  # overconfident draft
+    p = logits_p.softmax(-1)
+    rows = torch.stack([logits_p, logits_p])  # [k + 1, V] with k = 1
+    params = SamplingParams(temperature=1.0)
+    n = 6000
+    counts = torch.zeros(12)
+    for _ in range(n):
+        if drafter == "model":
+            d = int(torch.multinomial(q, 1, generator=g))
+            proposal = Proposal([d], q[None])
+        else:
+            proposal = Proposal([int(p.argmax())])
+        accepted, extra = verify(rows, proposal, params, g)
+        counts[proposal.tokens[0] if accepted else extra] += 1
+    assert chi_square_pvalue(counts, p * n) > 1e-3
 
 
 def _fields(params: SamplingParams) -> dict:
