@@ -10,6 +10,7 @@ from edgellm.engine import Engine, EngineConfig
 from edgellm.errors import InvalidParameterError
 from edgellm.outputs import RequestOutput
 from edgellm.sampling_params import SamplingParams
+from edgellm.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # preference order of `backend="auto"`: the first one this machine can run
@@ -43,6 +44,9 @@ class LLM:
         dtype: float dtype of weights and KV cache on the torch backend.
         kv_cache_mb: memory for the paged KV cache.
         max_model_len: context limit (defaults to the model's).
+        speculative: "off", "ngram" (prompt lookup), "draft" (a small model with the same
+            tokenizer, `draft_model`), or a SpeculativeConfig.
+        num_draft_tokens: the most tokens a sequence drafts per step (adapted to acceptance).
     """
 
     def __init__(
@@ -57,6 +61,9 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         enable_prefix_caching: bool = True,
         threads: int | None = None,
+        speculative: str | SpeculativeConfig = "off",
+        draft_model: str | None = None,
+        num_draft_tokens: int = 4,
     ):
         from edgellm.loaders.model import build_model, load_model
 
@@ -70,6 +77,11 @@ class LLM:
         self.loaded = load_model(model)
         self.tokenizer = self.loaded.tokenizer
         self.model = build_model(self.loaded, DTYPES[dtype])
+        spec = (
+            speculative
+            if isinstance(speculative, SpeculativeConfig)
+            else SpeculativeConfig(speculative, num_draft_tokens, draft_model)
+        )
         self.engine = make_engine(
             self.model,
             self.tokenizer,
@@ -81,6 +93,8 @@ class LLM:
                 max_model_len,
                 enable_prefix_caching,
             ),
+            spec,
+            load_draft(spec, dtype, self.model.args.vocab_size),
         )
 
     # ---- batch API -----------------------------------------------------------------------------
@@ -138,11 +152,47 @@ class LLM:
         return self.engine.score(token_ids)
 
 
-def make_engine(model, tokenizer, config: EngineConfig) -> Engine:
+def make_engine(
+    model,
+    tokenizer,
+    config: EngineConfig,
+    spec: SpeculativeConfig | None = None,
+    draft_model=None,
+) -> Engine:
+    """The engine over `model`; with speculation on, a SpeculativeEngine with its proposer."""
+    backend = make_backend(model, config)
+    if spec is None or spec.method == "off":
+        return Engine(backend, tokenizer, config)
+    from edgellm.spec_engine import SpeculativeEngine
+    from edgellm.speculative import DraftProposer, NgramProposer
+
+    if spec.method == "draft":
+        proposer = DraftProposer(make_backend(draft_model, config))
+    else:
+        proposer = NgramProposer(spec.ngram_max, spec.ngram_min)
+    return SpeculativeEngine(backend, tokenizer, config, spec, proposer)
+
+
+def make_backend(model, config: EngineConfig):
     from edgellm.backends.torch import TorchBackend
 
-    backend = TorchBackend(model, config.kv_cache_mb, config.block_size, config.max_model_len)
-    return Engine(backend, tokenizer, config)
+    return TorchBackend(model, config.kv_cache_mb, config.block_size, config.max_model_len)
+
+
+def load_draft(spec: SpeculativeConfig, dtype: str, vocab_size: int):
+    """The draft model of `spec` (None unless method is "draft"); its vocabulary must be the
+    target's."""
+    if spec.method != "draft":
+        return None
+    from edgellm.loaders.model import build_model, load_model
+
+    draft = build_model(load_model(spec.draft_model), DTYPES[dtype])
+    if draft.args.vocab_size != vocab_size:
+        raise InvalidParameterError(
+            f"the draft model's vocabulary ({draft.args.vocab_size}) is not the target's "
+            f"({vocab_size}); it needs the same tokenizer"
+        )
+    return draft
 
 
 def run_to_completion(engine: Engine, progress: bool = False, total: int = 0) -> None:
