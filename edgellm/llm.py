@@ -68,6 +68,11 @@ class LLM:
         from edgellm.loaders.model import build_model, load_model
 
         self.backend_name = resolve_backend(backend)
+        spec = (
+            speculative
+            if isinstance(speculative, SpeculativeConfig)
+            else SpeculativeConfig(speculative, num_draft_tokens, draft_model)
+        )
         if dtype not in DTYPES:
             raise InvalidParameterError(
                 f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})"
@@ -77,11 +82,6 @@ class LLM:
         self.loaded = load_model(model)
         self.tokenizer = self.loaded.tokenizer
         self.model = build_model(self.loaded, DTYPES[dtype])
-        spec = (
-            speculative
-            if isinstance(speculative, SpeculativeConfig)
-            else SpeculativeConfig(speculative, num_draft_tokens, draft_model)
-        )
         self.engine = make_engine(
             self.model,
             self.tokenizer,

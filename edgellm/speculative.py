@@ -11,6 +11,7 @@ use the same `process_logits`, so the output distribution is the target's
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -252,6 +253,7 @@ class SeqSpecState:
 
 
 EMA = 0.3
+WINDOW = 16
 
 
 class Controller:
@@ -265,8 +267,10 @@ class Controller:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.states: dict[int, SeqSpecState] = {}
-        self.plain_s: float | None = None  # EMA seconds of a decode step without speculation
-        self.spec_s: float | None = None  # EMA seconds of a speculative step (draft + verify)
+        # recent step times; their minimum is the cost estimate, since other processes on
+        # the machine only ever add time
+        self.plain_s: deque[float] = deque(maxlen=WINDOW)  # decode steps without speculation
+        self.spec_s: deque[float] = deque(maxlen=WINDOW)  # speculative steps (draft + verify)
 
     def state(self, seq: Sequence) -> SeqSpecState:
         if seq.seq_id not in self.states:
@@ -284,9 +288,14 @@ class Controller:
         return min(st.k, room)
 
     def record_step(self, seconds: float, speculative: bool) -> None:
-        name = "spec_s" if speculative else "plain_s"
-        old = getattr(self, name)
-        setattr(self, name, seconds if old is None else (1 - EMA) * old + EMA * seconds)
+        (self.spec_s if speculative else self.plain_s).append(seconds)
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Seconds of a speculative step over a plain one (None until both were measured)."""
+        if not self.plain_s or not self.spec_s:
+            return None
+        return min(self.spec_s) / min(self.plain_s)
 
     def record(self, seq: Sequence, proposed: int, accepted: int, produced: int) -> None:
         st = self.state(seq)
@@ -304,8 +313,9 @@ class Controller:
 
     def _adapt(self, st: SeqSpecState) -> None:
         st.k = choose_k(st.acceptance, self.config.num_draft_tokens)
-        if self.plain_s and self.spec_s and st.spec_steps >= 3:
-            if st.tokens_per_step < self.spec_s / self.plain_s:
+        ratio = self.cost_ratio
+        if ratio is not None and st.spec_steps >= 3:
+            if st.tokens_per_step < ratio:
                 st.off_until = st.steps + self.config.probe_every
                 st.k, st.spec_steps, st.tokens_per_step = 1, 0, 1.0
 

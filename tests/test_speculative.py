@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -313,3 +314,37 @@ def test_controller_switches_off_when_speculation_costs_more():
     assert [ctl.k_for(seq, 10) for _ in range(4)] == [0] * 4  # switched off ...
     assert ctl.k_for(seq, 10) == 1  # ... and probing again
     assert ctl.k_for(seq, 0) == 0  # never past max_tokens
+
+
+# ---- the public interfaces -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--speculative", "medusa"], "unknown speculative method"),
+        (["--speculative", "draft"], "needs a draft model"),
+        (["--speculative", "ngram", "--num-draft-tokens", "0"], "num_draft_tokens"),
+    ],
+)
+def test_cli_rejects_bad_speculative_options(args, needle, capsys, monkeypatch):
+    from tests.test_cli import assert_one_line_error, run_cli
+
+    code, _, err = run_cli(["generate", "hi", *args], capsys, monkeypatch)
+    assert_one_line_error(code, err, needle)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_smollm2_speculation_gives_the_same_greedy_text(smollm2_path, method):
+    from edgellm import LLM
+
+    code = inspect.getsource(choose_k)
+    messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    plain = LLM(str(smollm2_path)).chat(messages, params)[0]
+    draft = str(smollm2_path) if method == "draft" else None  # itself: every token accepted
+    spec = LLM(str(smollm2_path), speculative=method, draft_model=draft).chat(messages, params)[0]
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    m = spec.metrics
+    assert m["spec_proposed"] > 0 and m["spec_tokens_per_forward"] > 1.0
+    if method == "draft":
+        assert m["spec_acceptance_rate"] > 0.9
