@@ -24,6 +24,11 @@ ModelOpt = Annotated[
 ]
 BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="torch | llamacpp | auto")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
+SpecOpt = Annotated[str, typer.Option("--speculative", help="ngram | draft | off")]
+DraftOpt = Annotated[str | None, typer.Option("--draft-model", help="draft model (same tokenizer)")]
+DraftTokensOpt = Annotated[
+    int, typer.Option("--num-draft-tokens", help="most tokens drafted a step")
+]
 
 
 def _params(**kw):
@@ -57,6 +62,9 @@ def generate(
     seed: int | None = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     ctx: Annotated[int | None, typer.Option(help="context length limit")] = None,
+    speculative: SpecOpt = "off",
+    draft_model: DraftOpt = None,
+    num_draft_tokens: DraftTokensOpt = 4,
 ):
     """Complete PROMPT (streamed to stdout)."""
     if prompt == "-":
@@ -71,7 +79,12 @@ def generate(
         max_tokens=max_tokens,
         stop=stop or [],
     )
-    llm = _llm(model, backend, max_model_len=ctx)
+    llm = _llm(
+        model,
+        backend,
+        max_model_len=ctx,
+        **_spec_kw(speculative, draft_model, num_draft_tokens),
+    )
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
@@ -97,6 +110,16 @@ def _print_stats(out) -> None:
         f"ttft {m.get('ttft_s', 0) * 1000:.0f} ms, {m.get('decode_tokens_per_s', 0):.1f} tok/s, "
         f"finish: {out.outputs[0].finish_reason}[/dim]"
     )
+    if "spec_proposed" in m:
+        Console(stderr=True).print(
+            f"[dim]speculative: {m['spec_accepted']}/{m['spec_proposed']} drafted tokens "
+            f"accepted ({m['spec_acceptance_rate']:.0%}), "
+            f"{m['spec_tokens_per_forward']:.2f} tokens per target forward[/dim]"
+        )
+
+
+def _spec_kw(speculative: str, draft_model: str | None, num_draft_tokens: int) -> dict:
+    return dict(speculative=speculative, draft_model=draft_model, num_draft_tokens=num_draft_tokens)
 
 
 @app.command()
@@ -110,11 +133,14 @@ def chat(
     temperature: float = 0.7,
     top_p: float = 0.9,
     seed: int | None = None,
+    speculative: SpecOpt = "off",
+    draft_model: DraftOpt = None,
+    num_draft_tokens: DraftTokensOpt = 4,
 ):
     """Interactive chat with history, formatted by the model's chat template."""
     from edgellm.chat import run_chat
 
-    llm = _llm(model, backend)
+    llm = _llm(model, backend, **_spec_kw(speculative, draft_model, num_draft_tokens))
     params = _params(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     run_chat(llm, params, system)
 

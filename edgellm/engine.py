@@ -190,6 +190,11 @@ class Engine:
         params = seq.params
         processed = process_logits(row, params, seq.prompt_ids, seq.output_ids)
         token = sample_token(processed, params, seq.generator)
+        self._push_token(req, seq, token, row)
+
+    def _push_token(self, req: Request, seq: Sequence, token: int, row: torch.Tensor) -> None:
+        """Append a chosen token (raw logits `row` gave it) and apply the stop rules."""
+        params = seq.params
         if params.logprobs is not None:
             seq.logprobs.append(top_logprobs(row, token, params.logprobs))
         seq.token_ids.append(token)

@@ -162,6 +162,11 @@ class BlockManager:
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Forget K/V past `num_tokens` (rejected speculative tokens); frees whole blocks."""
         keep = self.blocks_needed(num_tokens)
+        if num_tokens % self.block_size and keep <= len(seq.block_table):
+            # the kept partial block will be rewritten in place: its hash would lie
+            last = self.blocks[seq.block_table[keep - 1]]
+            if last.ref_count == 1 and last.hash is not None:
+                self.uncache(last.block_id)
         for block_id in seq.block_table[keep:]:
             self._unref(block_id)
         del seq.block_table[keep:]

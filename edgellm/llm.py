@@ -10,6 +10,7 @@ from edgellm.engine import Engine, EngineConfig
 from edgellm.errors import InvalidParameterError
 from edgellm.outputs import RequestOutput
 from edgellm.sampling_params import SamplingParams
+from edgellm.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # preference order of `backend="auto"`: the first one this machine can run
@@ -48,6 +49,9 @@ class LLM:
         dtype: float dtype of weights and KV cache on the torch backend.
         kv_cache_mb: memory for the paged KV cache.
         max_model_len: context limit (defaults to the model's).
+        speculative: "off", "ngram" (prompt lookup), "draft" (a small model with the same
+            tokenizer, `draft_model`), or a SpeculativeConfig.
+        num_draft_tokens: the most tokens a sequence drafts per step (adapted to acceptance).
     """
 
     def __init__(
@@ -62,10 +66,18 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         enable_prefix_caching: bool = True,
         threads: int | None = None,
+        speculative: str | SpeculativeConfig = "off",
+        draft_model: str | None = None,
+        num_draft_tokens: int = 4,
     ):
-        from edgellm.loaders.model import build_model, load_model
+        from edgellm.loaders.model import load_model
 
         self.backend_name = resolve_backend(backend)
+        spec = (
+            speculative
+            if isinstance(speculative, SpeculativeConfig)
+            else SpeculativeConfig(speculative, num_draft_tokens, draft_model)
+        )
         if dtype not in DTYPES:
             raise InvalidParameterError(
                 f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})"
@@ -82,13 +94,12 @@ class LLM:
             max_model_len,
             enable_prefix_caching,
         )
-        self.model = None  # the torch module, on the torch backend
-        if self.backend_name == "llamacpp":
-            backend = llamacpp_backend(self.loaded, config, threads)
-        else:
-            self.model = build_model(self.loaded, DTYPES[dtype])
-            backend = torch_backend(self.model, config)
-        self.engine = Engine(backend, self.tokenizer, config)
+        # the torch module on the torch backend (None on llama.cpp)
+        backend, self.model = make_backend(self.backend_name, self.loaded, config, dtype, threads)
+        draft = None
+        if spec.method == "draft":
+            draft = load_draft(spec, self.loaded, self.backend_name, config, dtype, threads)
+        self.engine = make_engine(backend, self.tokenizer, config, spec, draft)
 
     # ---- batch API -----------------------------------------------------------------------------
     def generate(
@@ -145,6 +156,16 @@ class LLM:
         return self.engine.score(token_ids)
 
 
+def make_backend(name: str, loaded, config: EngineConfig, dtype: str, threads: int | None):
+    """(backend, torch module or None) running `loaded` on the backend called `name`."""
+    if name == "llamacpp":
+        return llamacpp_backend(loaded, config, threads), None
+    from edgellm.loaders.model import build_model
+
+    model = build_model(loaded, DTYPES[dtype])
+    return torch_backend(model, config), model
+
+
 def torch_backend(model, config: EngineConfig):
     from edgellm.backends.torch import TorchBackend
 
@@ -169,8 +190,42 @@ def llamacpp_backend(loaded, config: EngineConfig, threads: int | None = None):
     )
 
 
-def make_engine(model, tokenizer, config: EngineConfig) -> Engine:
-    return Engine(torch_backend(model, config), tokenizer, config)
+def make_engine(
+    backend, tokenizer, config: EngineConfig, spec: SpeculativeConfig | None = None, draft=None
+) -> Engine:
+    """The engine over `backend`; with speculation on, a SpeculativeEngine with its proposer
+    (`draft`: the draft model's backend, for method "draft")."""
+    if spec is None or spec.method == "off":
+        return Engine(backend, tokenizer, config)
+    from edgellm.spec_engine import SpeculativeEngine
+    from edgellm.speculative import DraftProposer, NgramProposer
+
+    if spec.method == "draft":
+        proposer = DraftProposer(draft)
+    else:
+        proposer = NgramProposer(spec.ngram_max, spec.ngram_min)
+    return SpeculativeEngine(backend, tokenizer, config, spec, proposer)
+
+
+# a probe that exercises words, digits, code and whitespace: equal tokenizers agree on it
+TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x ** 2  # 12345 café\n\tend"
+
+
+def load_draft(spec: SpeculativeConfig, target, backend: str, config, dtype, threads):
+    """The draft model's backend (same kind as the target's); its tokenizer must be the
+    target's, or its proposals would mean other tokens."""
+    from edgellm.loaders.model import load_model
+
+    draft = load_model(spec.draft_model)
+    same_vocab = draft.args.vocab_size == target.args.vocab_size
+    probe = [t.tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False) for t in (draft, target)]
+    if not same_vocab or probe[0] != probe[1]:
+        raise InvalidParameterError(
+            f"the draft model {spec.draft_model} does not share the target's tokenizer "
+            f"(vocabulary {draft.args.vocab_size} vs {target.args.vocab_size}); speculation "
+            "needs the same tokenizer"
+        )
+    return make_backend(backend, draft, config, dtype, threads)[0]
 
 
 def run_to_completion(engine: Engine, progress: bool = False, total: int = 0) -> None:

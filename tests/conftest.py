@@ -82,6 +82,7 @@ def byte_tokenizer(eos_id: int | None = None):
 
 def bpe_tokenizer(
     merges: tuple[str, ...] = ("Ġ t", "h e", "Ġt he", "i n", "e r", "a n", "o n", "Ġ a"),
+    eos_id: int | None = None,
 ):
     """A byte-level BPE with a few merges (vocab 256 + len(merges)): llama.cpp needs merges."""
     import tokenizers
@@ -97,7 +98,7 @@ def bpe_tokenizer(
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return Tokenizer(tok, SpecialTokens())
+    return Tokenizer(tok, SpecialTokens(eos_id=eos_id))
 
 
 def _byte_of(ch: str) -> int:

@@ -1,0 +1,366 @@
+"""Speculative decoding: proposers, the acceptance rule and the adaptive controller.
+
+A proposer guesses the next k tokens of a sequence (a small draft model, or an
+n-gram lookup in the sequence's own text); the target scores all k + 1 positions
+in one forward and `verify` keeps the longest prefix the rejection-sampling rule
+of Leviathan et al. / Chen et al. accepts, plus one token of its own. Both sides
+use the same `process_logits`, so the output distribution is the target's
+(greedy: the very same tokens). `SpeculativeEngine` (spec_engine.py) drives it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from edgellm.errors import InvalidParameterError
+from edgellm.kv_cache import BlockManager
+from edgellm.sampler import process_logits
+from edgellm.sampling_params import SamplingParams
+from edgellm.scheduler import ScheduledSeq
+from edgellm.sequence import Sequence
+
+MODES = ("off", "ngram", "draft")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """How to speculate. `num_draft_tokens` is the most a sequence drafts per step (k)."""
+
+    method: str = "ngram"  # "ngram" | "draft" | "off"
+    num_draft_tokens: int = 4
+    draft_model: str | None = None  # with method="draft"
+    ngram_max: int = 3  # longest suffix looked up (n)
+    ngram_min: int = 2  # shortest suffix that counts as a match
+    adaptive: bool = True  # k from acceptance; off-switch when it does not pay
+    probe_every: int = 32  # decode steps a switched-off sequence waits before trying again
+
+    def __post_init__(self):
+        if self.method not in MODES:
+            raise InvalidParameterError(
+                f"unknown speculative method {self.method!r} (choose from {', '.join(MODES)})"
+            )
+        if not 1 <= self.num_draft_tokens <= 32:
+            raise InvalidParameterError("num_draft_tokens must be in [1, 32]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidParameterError("need 1 <= ngram_min <= ngram_max")
+        if self.method == "draft" and not self.draft_model:
+            raise InvalidParameterError("speculative method 'draft' needs a draft model")
+
+
+@dataclass(slots=True)
+class Proposal:
+    tokens: list[int]  # the k drafted tokens
+    probs: torch.Tensor | None = None  # [k, V] the draft's processed distributions; None: one-hot
+
+
+# ---- the acceptance rule --------------------------------------------------------------------------
+def target_distributions(
+    logits: torch.Tensor,  # [k + 1, V] raw target logits for the verified positions
+    seq: Sequence,
+    drafted: list[int],
+) -> torch.Tensor:
+    """Processed target logits [k + 1, V]; position i sees the history plus drafted[:i]."""
+    out, prompt = seq.output_ids, seq.prompt_ids
+    rows = [
+        process_logits(logits[i], seq.params, prompt, out + drafted[:i]) for i in range(len(logits))
+    ]
+    return torch.stack(rows)
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probabilities [V] (exponential race, as the sampler does)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def verify(
+    processed: torch.Tensor,  # [k + 1, V] processed target logits
+    proposal: Proposal,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """(accepted drafted tokens, the target's own next token after them)."""
+    if params.greedy:
+        return verify_greedy(processed, proposal.tokens)
+    p = processed.softmax(-1)  # [k + 1, V]
+    for i, token in enumerate(proposal.tokens):
+        q = proposal_probs(proposal, i, p.shape[-1])
+        if uniform(generator) * q[token] < p[i, token]:  # accept with prob min(1, p/q)
+            continue
+        residual = (p[i] - q).clamp_min(0)
+        if residual.sum() <= 0:  # p == q up to rounding: any draw from p is right
+            residual = p[i]
+        return i, draw(residual / residual.sum(), generator)
+    k = len(proposal.tokens)
+    return k, draw(p[k], generator)
+
+
+def verify_greedy(processed: torch.Tensor, drafted: list[int]) -> tuple[int, int]:
+    best = processed.argmax(-1).tolist()  # [k + 1]
+    n = 0
+    while n < len(drafted) and drafted[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
+def proposal_probs(proposal: Proposal, i: int, vocab: int) -> torch.Tensor:
+    if proposal.probs is not None:
+        return proposal.probs[i]
+    return torch.nn.functional.one_hot(torch.tensor(proposal.tokens[i]), vocab).float()
+
+
+# ---- proposers -------------------------------------------------------------------------------------
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n from ngram_max down to ngram_min) and propose the tokens that followed it."""
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 2):
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, items: list[tuple[Sequence, int]]) -> list[Proposal]:
+        return [Proposal(self.lookup(seq.token_ids, k)) for seq, k in items]
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
+            start = find_last(tokens, tokens[-n:], end=len(tokens) - 1)
+            if start >= 0:
+                return tokens[start + n : start + n + k]
+        return []
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def find_last(tokens: list[int], pattern: list[int], end: int) -> int:
+    """Start of the last occurrence of `pattern` that ends before index `end`, or -1."""
+    n = len(pattern)
+    first = pattern[0]
+    for i in range(end - n, -1, -1):
+        if tokens[i] == first and tokens[i : i + n] == pattern:
+            return i
+    return -1
+
+
+class DraftProposer:
+    """A small model with the target's tokenizer, on any backend. Its K/V lives in its own
+    BlockManager; each target sequence has a mirror sequence that is rolled back with it."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.block_manager = BlockManager(backend.num_blocks, backend.block_size, True)
+        if hasattr(backend, "bind"):
+            backend.bind(self.block_manager)
+        self.mirrors: dict[int, Sequence] = {}  # target seq_id -> draft sequence
+
+    def propose(self, items: list[tuple[Sequence, int]]) -> list[Proposal]:
+        live = [(seq, k, m) for seq, k in items if (m := self._mirror(seq, k)) is not None]
+        self._catch_up([m for _, _, m in live])
+        drafted = {id(m): [] for _, _, m in live}
+        probs = {id(m): [] for _, _, m in live}
+        for step in range(max((k for _, k, _ in live), default=0)):
+            batch = [(seq, m) for seq, k, m in live if step < k]
+            self._draft_step(batch, drafted, probs)
+        return [self._proposal(seq, drafted, probs) for seq, _ in items]
+
+    def _proposal(self, seq: Sequence, drafted: dict, probs: dict) -> Proposal:
+        m = self.mirrors.get(seq.seq_id)
+        if m is None or not drafted.get(id(m)):
+            return Proposal([])
+        return Proposal(drafted[id(m)], torch.stack(probs[id(m)]))
+
+    def _catch_up(self, mirrors: list[Sequence]) -> None:
+        """Compute each mirror up to (not including) its last token, in chunks no larger than
+        the backend's batch (a new mirror holds the whole prompt)."""
+        budget = getattr(self.backend, "n_batch", None) or 1 << 30
+        pending = [m for m in mirrors if m.num_uncomputed > 1]
+        while pending:
+            chunk, used = [], 0
+            for m in pending:
+                n = min(m.num_uncomputed - 1, budget - used)
+                if n <= 0:
+                    break
+                chunk.append(ScheduledSeq(m, n))
+                used += n
+            self.backend.forward(chunk)  # no chunk reaches its last token: no logits
+            for item in chunk:
+                item.seq.num_computed_tokens += item.num_tokens
+                self.block_manager.register_computed(item.seq)
+            pending = [m for m in pending if m.num_uncomputed > 1]
+
+    def _draft_step(self, batch, drafted: dict, probs: dict) -> None:
+        """One draft forward for every mirror in `batch`; appends one drafted token each."""
+        scheduled = [ScheduledSeq(m, m.num_uncomputed) for _, m in batch]
+        logits = self.backend.forward(scheduled)  # [len(batch), V]
+        for (seq, m), item, row in zip(batch, scheduled, logits, strict=True):
+            m.num_computed_tokens += item.num_tokens
+            self.block_manager.register_computed(m)
+            history = seq.output_ids + drafted[id(m)]
+            q = process_logits(row, seq.params, seq.prompt_ids, history).softmax(-1)
+            token = int(q.argmax()) if seq.params.greedy else draw(q, seq.generator)
+            drafted[id(m)].append(token)
+            probs[id(m)].append(q)
+            m.token_ids.append(token)
+
+    def _mirror(self, seq: Sequence, k: int) -> Sequence | None:
+        """The draft sequence of `seq`, synced to its tokens, with room for k more; None if
+        the draft cache is full (this sequence then skips speculation this step)."""
+        m = self.mirrors.get(seq.seq_id)
+        if m is None:
+            m = Sequence(seq.request_id, list(seq.token_ids), seq.params, seq.num_prompt_tokens)
+            if not self.block_manager.can_allocate(m):
+                return None
+            self.block_manager.allocate(m)
+            self.mirrors[seq.seq_id] = m
+        self.sync(seq, m)
+        if not self.block_manager.can_append(m, k):
+            self.release(seq)
+            return None
+        # reserve the k drafted tokens' slots now: later mirrors share the pool
+        self.backend.copy_blocks(self.block_manager.append_slots(m, k))
+        return m
+
+    def sync(self, seq: Sequence, m: Sequence) -> None:
+        """Roll the mirror back to the longest common prefix with the target, then catch up."""
+        common = 0
+        limit = min(len(m), len(seq), m.num_computed_tokens)
+        while common < limit and m.token_ids[common] == seq.token_ids[common]:
+            common += 1
+        if common < m.num_computed_tokens:
+            self.block_manager.trim(m, common)
+            self.backend.truncate(m, common)
+        m.token_ids = list(seq.token_ids)
+
+    def release(self, seq: Sequence) -> None:
+        m = self.mirrors.pop(seq.seq_id, None)
+        if m is not None:
+            self.block_manager.free(m)
+            self.backend.release(m)
+
+    def close(self) -> None:
+        for seq_id in list(self.mirrors):
+            m = self.mirrors.pop(seq_id)
+            self.block_manager.free(m)
+            self.backend.release(m)
+
+
+# ---- adaptation -----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class SeqSpecState:
+    """Per-sequence statistics and the adaptive choice of k."""
+
+    k: int
+    proposed: int = 0
+    accepted: int = 0
+    spec_steps: int = 0  # target forwards that verified drafted tokens
+    plain_steps: int = 0  # decode forwards without drafted tokens
+    tokens: int = 0  # tokens produced by this sequence's decode forwards
+    acceptance: float = 0.7  # running (EMA) acceptance rate per drafted token
+    tokens_per_step: float = 1.0  # running (EMA) tokens per speculative step
+    off_until: int = 0  # decode step index before which speculation stays off
+    steps: int = 0  # decode steps seen
+    history: list[int] = field(default_factory=list)  # accepted count per spec step
+
+
+EMA = 0.3
+WINDOW = 16
+
+
+class Controller:
+    """Chooses k per sequence and switches speculation off where it costs more than it saves.
+
+    Cost is measured, not assumed: running means of the wall time of plain decode steps and
+    of speculative steps (draft + verify). A sequence keeps speculating while the tokens it
+    gains per speculative step exceed the step-time ratio; otherwise it pauses for
+    `probe_every` steps and probes again with k = 1."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.states: dict[int, SeqSpecState] = {}
+        # recent step times; their minimum is the cost estimate, since other processes on
+        # the machine only ever add time
+        self.plain_s: deque[float] = deque(maxlen=WINDOW)  # decode steps without speculation
+        self.spec_s: deque[float] = deque(maxlen=WINDOW)  # speculative steps (draft + verify)
+
+    def state(self, seq: Sequence) -> SeqSpecState:
+        if seq.seq_id not in self.states:
+            self.states[seq.seq_id] = SeqSpecState(k=self.config.num_draft_tokens)
+        return self.states[seq.seq_id]
+
+    def k_for(self, seq: Sequence, room: int) -> int:
+        """Tokens to draft this step (0: plain decode); `room` bounds it (max_tokens, context)."""
+        st = self.state(seq)
+        st.steps += 1
+        if not self.config.adaptive:
+            return min(self.config.num_draft_tokens, room)
+        if st.steps <= 2 or st.steps < st.off_until:  # warm-up measures plain steps
+            return 0
+        return min(st.k, room)
+
+    def record_step(self, seconds: float, speculative: bool) -> None:
+        (self.spec_s if speculative else self.plain_s).append(seconds)
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Seconds of a speculative step over a plain one (None until both were measured)."""
+        if not self.plain_s or not self.spec_s:
+            return None
+        return min(self.spec_s) / min(self.plain_s)
+
+    def record(self, seq: Sequence, proposed: int, accepted: int, produced: int) -> None:
+        st = self.state(seq)
+        st.tokens += produced
+        if proposed == 0:
+            st.plain_steps += 1
+            return
+        st.spec_steps += 1
+        st.proposed += proposed
+        st.accepted += accepted
+        st.acceptance = (1 - EMA) * st.acceptance + EMA * (accepted / proposed)
+        st.tokens_per_step = (1 - EMA) * st.tokens_per_step + EMA * (accepted + 1)
+        if self.config.adaptive:
+            self._adapt(st)
+
+    def _adapt(self, st: SeqSpecState) -> None:
+        st.k = choose_k(st.acceptance, self.config.num_draft_tokens)
+        ratio = self.cost_ratio
+        if ratio is not None and st.spec_steps >= 3:
+            if st.tokens_per_step < ratio:
+                st.off_until = st.steps + self.config.probe_every
+                st.k, st.spec_steps, st.tokens_per_step = 1, 0, 1.0
+
+    def metrics(self, seqs: list[Sequence]) -> dict:
+        """Per-request statistics, summed over its sequences."""
+        states = [self.states[s.seq_id] for s in seqs if s.seq_id in self.states]
+        proposed = sum(st.proposed for st in states)
+        accepted = sum(st.accepted for st in states)
+        tokens = sum(st.tokens for st in states)
+        forwards = sum(st.spec_steps + st.plain_steps for st in states)
+        return {
+            "spec_proposed": proposed,
+            "spec_accepted": accepted,
+            "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_tokens_per_forward": tokens / forwards if forwards else 0.0,
+        }
+
+    def release(self, seq: Sequence) -> None:
+        self.states.pop(seq.seq_id, None)
+
+
+def choose_k(acceptance: float, k_max: int) -> int:
+    """Draft until the chance that every drafted token is accepted falls below 1/4."""
+    if acceptance <= 0.0:
+        return 1
+    if acceptance >= 1.0:
+        return k_max
+    return max(1, min(k_max, math.ceil(math.log(0.25) / math.log(acceptance))))
