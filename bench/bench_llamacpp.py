@@ -1,18 +1,20 @@
 """edgellm's llama.cpp backend beside llama-cpp-python's own generation, and the quality of
 our exact INT4 -> GGUF exports beside llama.cpp's own quantizer, in one run.
 
-Speed (SmolLM2-135M-Instruct Q4_1 GGUF, greedy, EOS ignored, same thread count):
+Speed (SmolLM2-135M-Instruct: the packaged Q4_1 GGUF and edgellm's AWQ w4g128 export to
+Q4_0; greedy, EOS ignored, same thread count):
     single stream:  decode tok/s = (N - 1) / (time from the first to the N-th token),
                     edgellm (engine + llama.cpp backend) ÷ `Llama.generate` on the same file
     concurrency C:  C requests of N tokens submitted at once; aggregate tok/s =
-                    C·N / wall time, ÷ edgellm's single-stream decode tok/s
+                    C·N / wall time, ÷ edgellm's single-stream decode tok/s; beside it
+                    llama.cpp's own ceiling: bare `llama_decode` of C sequences per call
 Quality (perplexity computed by llama.cpp through our backend's logits, strided windows
 of 512 on held-out State of the Union text):
     edgellm AWQ and GPTQ (w4 g128 and g32, exported exactly to Q4_0) vs llama.cpp's
     `llama_model_quantize` Q4_0 and Q4_K_M of the same float (F16) weights.
 
     python bench/bench_llamacpp.py                     # writes bench/results/llamacpp.{json,md,png}
-    python bench/bench_llamacpp.py --skip-quality      # speed only (a minute)
+    python bench/bench_llamacpp.py --skip-quality      # speed only (a few minutes)
 """
 
 from __future__ import annotations
@@ -87,11 +89,44 @@ def edgellm_concurrent(llm, prompts: list[list[int]], n: int) -> float:
     return len(prompts) * n / wall
 
 
-def speed(args, bar, task) -> dict:
-    from edgellm.registry import resolve_model
+def raw_batch_decode(path: Path, c: int, n: int, threads: int, prompt_len: int) -> float:
+    """llama.cpp's own ceiling: C sequences decoded together with bare `llama_decode` calls
+    (one token each per call, no engine), after a prompt of `prompt_len`; aggregate tok/s."""
+    import llama_cpp as ll
+
+    ll.llama_backend_init()
+    model = ll.llama_model_load_from_file(str(path).encode(), ll.llama_model_default_params())
+    cp = ll.llama_context_default_params()
+    cp.n_ctx = c * (prompt_len + n) + 256
+    cp.n_batch = cp.n_ubatch = 512
+    cp.n_seq_max, cp.kv_unified = max(c, 1), True
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as the backend and `Llama`
+    ctx = ll.llama_init_from_model(model, cp)
+    batch = ll.llama_batch_init(512, 0, 1)
+
+    def decode(rows: list[tuple[int, int, int]]) -> None:  # (seq, pos, token)
+        for i, (seq, pos, tok) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, 1
+        batch.n_tokens = len(rows)
+        assert ll.llama_decode(ctx, batch) == 0
+
+    for seq in range(c):  # prompts, one sequence at a time
+        decode([(seq, p, 100 + (seq * 7 + p) % 1000) for p in range(prompt_len)])
+    t0 = time.perf_counter()
+    for p in range(prompt_len, prompt_len + n):
+        decode([(seq, p, 200 + (seq + p) % 1000) for seq in range(c)])
+    rate = c * n / (time.perf_counter() - t0)
+    ll.llama_batch_free(batch)
+    ll.llama_free(ctx)
+    ll.llama_model_free(model)
+    return rate
+
+
+def speed(args, path: Path, bar, task) -> dict:
     from edgellm.texts import load_text
 
-    path = resolve_model(None)
     llm = edgellm_llm(path, args.threads)
     words = load_text("sotu").split()
     prompts = [
@@ -105,24 +140,27 @@ def speed(args, bar, task) -> dict:
         res["llama_cpp"] += llama_decode(path, prompts[0], args.tokens, args.threads, 1)
         bar.advance(task)
     single = statistics.median(res["edgellm"])
-    conc = {}
+    conc, raw = {}, {}
     for c in args.concurrency:
         conc[c] = edgellm_concurrent(llm, prompts[:c], args.tokens)
+        raw[c] = raw_batch_decode(path, c, args.tokens, args.threads, len(prompts[0]))
         bar.advance(task)
+    llm.engine.backend.close()
+    raw1 = raw_batch_decode(path, 1, args.tokens, args.threads, len(prompts[0]))
     return {
+        "gguf": path.name,
         "decode_tok_s": {k: statistics.median(v) for k, v in res.items()},
         "raw_decode_tok_s": res,
         "ratio_vs_llama_cpp": single / statistics.median(res["llama_cpp"]),
         "aggregate_tok_s": conc,
         "aggregate_vs_single": {c: v / single for c, v in conc.items()},
+        "bare_llama_decode_tok_s": {1: raw1, **raw},
+        "bare_llama_decode_vs_single": {c: v / raw1 for c, v in raw.items()},
     }
 
 
 # ---- quality ---------------------------------------------------------------------------------
 def quality(args, bar, task) -> list[dict]:
-    from edgellm.quantize import QuantizeOptions, quantize
-    from edgellm.quantize.export_gguf import export_gguf
-
     from edgellm.registry import resolve_model
 
     work = Path(args.work_dir)
@@ -140,11 +178,7 @@ def quality(args, bar, task) -> list[dict]:
     for method in ("awq", "gptq"):
         for group in (128, 32):
             label = f"edgellm {method.upper()} w4g{group} -> Q4_0"
-            ckpt = work / f"{method}-g{group}"
-            if not ckpt.exists():
-                opts = QuantizeOptions(method, 4, group, True, n_samples=args.samples)
-                quantize(None, ckpt, opts, force=True, progress=False)
-            files[label] = export_gguf(ckpt, work / f"{method}-g{group}.gguf", force=True)
+            files[label] = edgellm_gguf(args, method, group)
             bar.advance(task)
     rows = []
     for label, path in files.items():
@@ -153,6 +187,21 @@ def quality(args, bar, task) -> list[dict]:
         )
         bar.advance(task)
     return rows
+
+
+def edgellm_gguf(args, method: str, group: int) -> Path:
+    """SmolLM2 quantized by edgellm (symmetric INT4), exported exactly to Q4_0 (cached)."""
+    from edgellm.quantize import QuantizeOptions, quantize
+    from edgellm.quantize.export_gguf import export_gguf
+
+    work = Path(args.work_dir)
+    ckpt, out = work / f"{method}-g{group}", work / f"{method}-g{group}.gguf"
+    if not ckpt.exists():
+        opts = QuantizeOptions(method, 4, group, True, n_samples=args.samples)
+        quantize(None, ckpt, opts, force=True, progress=False)
+    if not out.exists():
+        export_gguf(ckpt, out, force=True)
+    return out
 
 
 def perplexity(path: Path, args) -> dict:
@@ -177,25 +226,30 @@ def perplexity(path: Path, args) -> dict:
 
 # ---- report ----------------------------------------------------------------------------------
 def markdown(result: dict, command: str) -> str:
-    s = result["speed"]
-    lines = [
-        f"`{command}` ({result['machine']['cpu']}, {result['machine']['threads']} threads, "
-        f"{result['machine']['date']})",
-        "",
-        "| single stream, decode | tok/s | ratio |",
-        "|---|---|---|",
-        f"| llama-cpp-python `Llama.generate` | {s['decode_tok_s']['llama_cpp']:.1f} | 1.00 |",
-        f"| edgellm engine + llama.cpp backend | {s['decode_tok_s']['edgellm']:.1f} | "
-        f"{s['ratio_vs_llama_cpp']:.2f} |",
-        "",
-        "| concurrent requests | aggregate tok/s | ÷ single stream |",
-        "|---|---|---|",
-    ]
-    for c, v in s["aggregate_tok_s"].items():
-        lines.append(f"| {c} | {v:.1f} | {s['aggregate_vs_single'][c]:.2f}× |")
+    m = result["machine"]
+    lines = [f"`{command}` ({m['cpu']}, {m['threads']} threads, {m['date']})", ""]
+    for s in result["speed"]:
+        lines += [
+            f"**{s['gguf']}**",
+            "",
+            "| single stream, decode | tok/s | ratio |",
+            "|---|---|---|",
+            f"| llama-cpp-python `Llama.generate` | {s['decode_tok_s']['llama_cpp']:.1f} | 1.00 |",
+            f"| edgellm engine + llama.cpp backend | {s['decode_tok_s']['edgellm']:.1f} | "
+            f"{s['ratio_vs_llama_cpp']:.2f} |",
+            "",
+            "| concurrent requests | edgellm aggregate tok/s | ÷ single stream "
+            "| bare `llama_decode` batch ÷ its single |",
+            "|---|---|---|---|",
+        ]
+        for c, v in s["aggregate_tok_s"].items():
+            lines.append(
+                f"| {c} | {v:.1f} | {s['aggregate_vs_single'][c]:.2f}× "
+                f"| {s['bare_llama_decode_vs_single'][c]:.2f}× |"
+            )
+        lines.append("")
     if result.get("quality"):
         lines += [
-            "",
             "| model (all run by llama.cpp) | bits/weight | perplexity (sotu) |",
             "|---|---|---|",
         ]
@@ -210,18 +264,22 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = result["speed"]
     n = 2 if result.get("quality") else 1
     fig, axes = plt.subplots(1, n, figsize=(6 * n, 4), squeeze=False)
     ax = axes[0][0]
-    cs = [1, *s["aggregate_tok_s"]]
-    ys = [s["decode_tok_s"]["edgellm"], *s["aggregate_tok_s"].values()]
-    ax.plot([str(c) for c in cs], ys, "o-", label="edgellm + llama.cpp backend")
-    ax.axhline(
-        s["decode_tok_s"]["llama_cpp"], color="gray", ls="--", label="Llama.generate, 1 stream"
+    for s, color in zip(result["speed"], ("tab:blue", "tab:orange"), strict=False):
+        cs = [1, *s["aggregate_tok_s"]]
+        ys = [s["decode_tok_s"]["edgellm"], *s["aggregate_tok_s"].values()]
+        ax.plot([str(c) for c in cs], ys, "o-", color=color, label=f"edgellm, {s['gguf']}")
+        bare = list(s["bare_llama_decode_tok_s"].values())
+        ax.plot([str(c) for c in cs], bare, "x:", color=color, label="bare llama_decode")
+        ax.axhline(s["decode_tok_s"]["llama_cpp"], color=color, ls="--", lw=0.8)
+    ax.set(
+        xlabel="concurrent requests",
+        ylabel="aggregate decode tok/s",
+        title="SmolLM2-135M (dashed: Llama.generate, 1 stream)",
     )
-    ax.set(xlabel="concurrent requests", ylabel="aggregate decode tok/s", title="SmolLM2-135M Q4_1")
-    ax.legend()
+    ax.legend(fontsize=7)
     if n == 2:
         ax = axes[0][1]
         rows = result["quality"]
@@ -241,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=5, help="single-stream repeats per engine")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16, 32])
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--samples", type=int, default=32, help="calibration samples (AWQ/GPTQ)")
     ap.add_argument("--eval-tokens", type=int, default=8192)
@@ -253,12 +311,17 @@ def main(argv: list[str] | None = None) -> None:
     from rich.progress import Progress
 
     command = "python " + shlex.join(["bench/bench_llamacpp.py", *(argv or sys.argv[1:])])
-    total = 2 * args.rounds + len(args.concurrency) + (0 if args.skip_quality else 2 + 4 + 7)
+    from edgellm.registry import resolve_model
+
+    total = 2 * (2 * args.rounds + len(args.concurrency)) + (0 if args.skip_quality else 13)
     with Progress() as bar:
         task = bar.add_task("benchmark", total=total)
-        result = {"speed": speed(args, bar, task)}
+        result = {}
         if not args.skip_quality:
             result["quality"] = quality(args, bar, task)
+        # the packaged Q4_1 file and our symmetric AWQ export (Q4_0), each beside `Llama`
+        files = [resolve_model(None), edgellm_gguf(args, "awq", 128)]
+        result["speed"] = [speed(args, f, bar, task) for f in files]
     result["machine"] = machine_info(args.threads)
     result["command"] = command
     args.out_dir.mkdir(parents=True, exist_ok=True)

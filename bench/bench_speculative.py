@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -72,7 +73,22 @@ def workload(n_chars: int = 900) -> list[tuple[str, str]]:
             + code_sample(kv_cache.BlockManager.trim),
         ),
         ("copy-edit", f"Fix any typos in this text and return it in full:\n\n{passage[:500]}"),
+        # open-ended: nothing to copy from the prompt (the draft model's case, n-gram's worst)
+        ("write-code", "Write a Python function that merges overlapping intervals, with tests."),
+        ("explain", "Explain in a paragraph why the sky is blue and why sunsets are red."),
     ]
+
+
+# prompt kind -> group reported in the tables (the issue's goals are per group)
+GROUPS = {
+    "summarize": "prose",
+    "rewrite-code": "code",
+    "edit-code": "code",
+    "rename": "code",
+    "copy-edit": "prose",
+    "write-code": "code",
+    "explain": "prose",
+}
 
 
 def run_one(llm: LLM, ids: list[int], max_tokens: int, repeats: int) -> dict:
@@ -98,6 +114,10 @@ def summarize(results: dict, kinds: list[str]) -> dict:
     """Per mode: total tokens/s, speedup over "off", acceptance; per prompt too."""
     base = results["off"]
     out = {}
+
+    def rate(rows) -> float:
+        return sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows)
+
     for mode, rows in results.items():
         tps = sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows)
         base_tps = sum(r["tokens"] for r in base) / sum(r["seconds"] for r in base)
@@ -111,6 +131,13 @@ def summarize(results: dict, kinds: list[str]) -> dict:
             "same_tokens_as_off": sum(
                 r["token_ids"] == b["token_ids"] for r, b in zip(rows, base, strict=True)
             ),
+            "per_group": {
+                g: {
+                    "speedup": rate(sel(rows, kinds, g)) / rate(sel(base, kinds, g)),
+                    "acceptance": acceptance(sel(rows, kinds, g)),
+                }
+                for g in sorted({GROUPS[k] for k in kinds})
+            },
             "per_prompt": {
                 k: {
                     "speedup": (r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"]),
@@ -124,6 +151,43 @@ def summarize(results: dict, kinds: list[str]) -> dict:
     return out
 
 
+def sel(rows: list[dict], kinds: list[str], group: str) -> list[dict]:
+    return [r for r, k in zip(rows, kinds, strict=True) if GROUPS[k] == group]
+
+
+def acceptance(rows: list[dict]) -> float | None:
+    proposed = sum(r.get("spec_proposed", 0) for r in rows)
+    return sum(r.get("spec_accepted", 0) for r in rows) / proposed if proposed else None
+
+
+def markdown(report: dict, kinds: list[str]) -> str:
+    """Per mode: speedup per group and per prompt (acceptance in brackets)."""
+    modes = [m for m in report["summary"] if m != "off"]
+    groups = list(report["summary"]["off"]["per_group"])
+
+    def cell(d: dict) -> str:
+        acc = "" if d["acceptance"] is None else f" ({d['acceptance']:.0%})"
+        return f"{d['speedup']:.2f}×{acc}"
+
+    head = ["mode", *groups, *kinds, "same tokens as off"]
+    lines = [
+        f"`{report['command']}`: {report['model']} on {report['backend']}, greedy, "
+        f"{report['max_tokens']} tokens, 1 stream, best of {report['repeats']}, "
+        f"{report['threads']} threads; plain decoding {report['summary']['off']['tokens_per_s']:.1f} "
+        "tok/s. Speedup over plain decoding (acceptance).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for m in modes:
+        s = report["summary"][m]
+        row = [m, *(cell(s["per_group"][g]) for g in groups)]
+        row += [cell(s["per_prompt"][k]) for k in kinds]
+        row.append(f"{s['same_tokens_as_off']}/{len(kinds)}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -132,7 +196,7 @@ def main() -> None:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--prompts", type=int, default=5, help="how many of the workload's prompts")
+    ap.add_argument("--prompts", type=int, default=7, help="how many of the workload's prompts")
     ap.add_argument("--qwen", action="store_true", help="Qwen2.5-Coder 1.5B + 0.5B draft (opt-in)")
     ap.add_argument("--repeats", type=int, default=2, help="best of N runs per prompt and mode")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -165,6 +229,7 @@ def main() -> None:
             f"{kind}: " + ", ".join(f"{n} {r[-1]['seconds']:.1f}s" for n, r in results.items())
         )
     report = {
+        "command": "python " + " ".join(["bench/bench_speculative.py", *sys.argv[1:]]),
         "model": args.model or "smollm2-135m",
         "backend": args.backend,
         "dtype": args.dtype,
@@ -184,6 +249,7 @@ def main() -> None:
 def write(report: dict, kinds: list[str], out: Path, stem: str, console) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{stem}.md").write_text(markdown(report, kinds))
     for mode, s in report["summary"].items():
         acc = "-" if s["acceptance"] is None else f"{s['acceptance']:.0%}"
         console.print(

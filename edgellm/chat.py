@@ -106,9 +106,14 @@ def _stats(session: ChatSession, llm) -> str:
 
 def _turn(llm, session: ChatSession, line: str, params: SamplingParams, err) -> None:
     session.history.append({"role": "user", "content": line})
+    llm.last_output = None
     answer, stopped = _answer(llm, session.messages(), params)
-    session.history.append({"role": "assistant", "content": answer})
     out = llm.last_output
+    if out is None:  # Ctrl-C before the request started: the turn did not happen
+        session.history.pop()
+        err.print("[dim]stopped[/dim]")
+        return
+    session.history.append({"role": "assistant", "content": answer})
     session.turns += 1
     session.generated_tokens += len(out.outputs[0].token_ids)
     session.last_metrics = out.metrics
@@ -118,16 +123,18 @@ def _turn(llm, session: ChatSession, line: str, params: SamplingParams, err) -> 
 
 def _answer(llm, messages: list[dict], params: SamplingParams) -> tuple[str, bool]:
     parts = []
-    stream = llm.stream_chat(messages, params)
+    stream = None
     stopped = False
-    try:
+    try:  # Ctrl-C may come while the prompt is formatted, before any token
+        stream = llm.stream_chat(messages, params)
         for delta in stream:
             parts.append(delta)
             sys.stdout.write(delta)
             sys.stdout.flush()
     except KeyboardInterrupt:
         stopped = True
-        stream.close()  # aborts the request and frees its KV blocks
+        if stream is not None:
+            stream.close()  # aborts the request and frees its KV blocks
     sys.stdout.write("\n")
     sys.stdout.flush()
     return "".join(parts), stopped

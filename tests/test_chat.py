@@ -23,7 +23,10 @@ def repl():
         timeout=120,
         dimensions=(40, 200),
     )
-    child.expect("backend torch")
+    # --backend auto (the default) picks llama.cpp on a CPU where it is installed
+    from edgellm.llm import resolve_backend
+
+    child.expect(f"backend {resolve_backend('auto')}")
     child.expect("> ")
     yield child
     child.close(force=True)
@@ -50,9 +53,14 @@ def test_chat_repl(repl, tmp_path):
     assert "Paris" in messages[2]["content"]
 
     repl.sendline("Write a very long poem about the sea, with many verses.")
+    repl.expect(r"verses\.\r\n")  # the terminal's echo of the line
     repl.expect(r"\w+ \w+ \w+")  # the answer is streaming
     repl.sendintr()  # Ctrl-C: stop the answer, stay in the REPL
     repl.expect("stopped")
+    repl.expect("> ")
+
+    repl.sendline("Another poem, please.")
+    repl.sendintr()  # Ctrl-C at once: wherever it lands (prompt, template, prefill), no exit
     repl.expect("> ")
 
     repl.sendline("/reset")
