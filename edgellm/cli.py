@@ -23,6 +23,9 @@ ModelOpt = Annotated[
     typer.Option("--model", "-m", help="GGUF file, HF directory or short name (smollm2-135m)"),
 ]
 BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="torch | llamacpp | auto")]
+ThreadsOpt = Annotated[
+    int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores)")
+]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
 SpecOpt = Annotated[str, typer.Option("--speculative", help="ngram | draft | off")]
 DraftOpt = Annotated[str | None, typer.Option("--draft-model", help="draft model (same tokenizer)")]
@@ -37,13 +40,13 @@ def _params(**kw):
     return SamplingParams(**kw)
 
 
-def _llm(model, backend, **kw):
+def _llm(model, backend, threads=None, **kw):
     from rich.console import Console
 
     from edgellm.llm import LLM
 
     with Console(stderr=True).status("loading model"):
-        return LLM(model, backend=backend, **kw)
+        return LLM(model, backend=backend, threads=threads, **kw)
 
 
 @app.command()
@@ -51,6 +54,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="prompt text ('-' reads stdin)")],
     model: ModelOpt = None,
     backend: BackendOpt = "torch",
+    threads: ThreadsOpt = None,
     chat: Annotated[bool, typer.Option("--chat", help="format PROMPT as a user message")] = False,
     system: Annotated[str | None, typer.Option(help="system prompt (with --chat)")] = None,
     max_tokens: MaxTokens = 128,
@@ -82,6 +86,7 @@ def generate(
     llm = _llm(
         model,
         backend,
+        threads,
         max_model_len=ctx,
         **_spec_kw(speculative, draft_model, num_draft_tokens),
     )
@@ -128,6 +133,7 @@ def chat(
     backend: Annotated[
         str, typer.Option("--backend", "-b", help="auto (MLX, Triton, llama.cpp, torch) or one")
     ] = "auto",
+    threads: ThreadsOpt = None,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     max_tokens: MaxTokens = 512,
     temperature: float = 0.7,
@@ -140,7 +146,7 @@ def chat(
     """Interactive chat with history, formatted by the model's chat template."""
     from edgellm.chat import run_chat
 
-    llm = _llm(model, backend, **_spec_kw(speculative, draft_model, num_draft_tokens))
+    llm = _llm(model, backend, threads, **_spec_kw(speculative, draft_model, num_draft_tokens))
     params = _params(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     run_chat(llm, params, system)
 
@@ -149,6 +155,7 @@ def chat(
 def serve(
     model: ModelOpt = None,
     backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
     host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
     port: int = 8000,
     api_key: Annotated[
@@ -159,12 +166,21 @@ def serve(
     max_num_seqs: int = 64,
     max_waiting: Annotated[int, typer.Option(help="queued requests beyond this get 429")] = 256,
     ctx: Annotated[int | None, typer.Option(help="context length limit")] = None,
+    speculative: SpecOpt = "off",
+    draft_model: DraftOpt = None,
+    num_draft_tokens: DraftTokensOpt = 4,
 ):
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /metrics)."""
     from edgellm.serve import ServerConfig, run_server
 
     llm = _llm(
-        model, backend, kv_cache_mb=kv_cache_mb, max_num_seqs=max_num_seqs, max_model_len=ctx
+        model,
+        backend,
+        threads,
+        kv_cache_mb=kv_cache_mb,
+        max_num_seqs=max_num_seqs,
+        max_model_len=ctx,
+        **_spec_kw(speculative, draft_model, num_draft_tokens),
     )
     name = served_model_name or model or "smollm2-135m"
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (backend {llm.backend_name})", err=True)
@@ -175,6 +191,7 @@ def serve(
 def bench(
     model: ModelOpt = None,
     backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
     url: Annotated[
         str | None, typer.Option(help="OpenAI-compatible server (default: in-process engine)")
     ] = None,
@@ -208,7 +225,7 @@ def bench(
     else:
         from edgellm.async_engine import AsyncEngine
 
-        llm = _llm(model, backend, max_num_seqs=max(levels))
+        llm = _llm(model, backend, threads, max_num_seqs=max(levels))
         target = loadgen.EngineTarget(AsyncEngine(llm.engine))
         tok, where = llm.tokenizer, f"in-process {llm.backend_name} engine"
     work = loadgen.make_workload(tok, num_requests, prompt_len, output_len, dist, seed, prompt_file)
@@ -248,6 +265,7 @@ def eval_ppl(
         str | None, typer.Argument(help="GGUF file, HF directory or short name")
     ] = None,
     backend: BackendOpt = "torch",
+    threads: ThreadsOpt = None,
     text: Annotated[
         str, typer.Option(help="sotu | sotu-calib | shakespeare | a text file")
     ] = "sotu",
@@ -261,7 +279,7 @@ def eval_ppl(
     from edgellm.evaluate import perplexity
     from edgellm.texts import load_text
 
-    llm = _llm(model, backend, max_model_len=None, max_num_batched_tokens=ctx)
+    llm = _llm(model, backend, threads, max_model_len=None, max_num_batched_tokens=ctx)
     tokens = llm.tokenizer.encode(load_text(text), add_special_tokens=False)[:max_tokens]
     r = perplexity(llm.score, tokens, ctx, stride, progress=True)
     Console().print(
