@@ -166,3 +166,29 @@ def test_float_export_and_refusals(tmp_path):
         load_model(q8).weights.get("model.norm.weight").numpy(),
         load_model(f16).weights.get("model.norm.weight").numpy(),
     )
+
+
+def test_cli_export_and_cached_llamacpp_run(exported, tmp_path, monkeypatch, capsys):
+    from edgellm import LLM, SamplingParams
+    from tests.test_cli import assert_one_line_error, run_cli
+
+    ckpt, path, _ = exported
+    out = tmp_path / "cli.gguf"
+    code, stdout, _ = run_cli(["export", "gguf", str(ckpt), "-o", str(out)], capsys, monkeypatch)
+    assert code == 0 and f"wrote {out}" in stdout
+    assert out.read_bytes() == path.read_bytes()  # the export is deterministic
+    code, _, err = run_cli(["export", "gguf", str(ckpt), "-o", str(out)], capsys, monkeypatch)
+    assert_one_line_error(code, err, "exists")
+    # a checkpoint on the llama.cpp backend: exported once into the cache, reused after
+    monkeypatch.setenv("EDGELLM_CACHE", str(tmp_path / "cache"))
+    kw = dict(backend="llamacpp", kv_cache_mb=1, threads=1)
+    first = LLM(str(ckpt), **kw)
+    (cached,) = (tmp_path / "cache" / "gguf").glob("*.gguf")
+    stamp = cached.stat().st_mtime_ns
+    again = LLM(str(ckpt), **kw)
+    assert cached.stat().st_mtime_ns == stamp
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [3, 17, 101, 44, 250, 9]
+    want = LLM(str(path), **kw).generate([ids], params)[0].outputs[0].token_ids
+    assert first.generate([ids], params)[0].outputs[0].token_ids == want
+    assert again.generate([ids], params)[0].outputs[0].token_ids == want
