@@ -56,7 +56,8 @@ class SpeculativeEngine(Engine):
         self.stats["steps"] += 1
         deltas = self._postprocess_spec(out.scheduled, logits, proposals)
         if all_decode:  # prefill chunks would blur the cost of a decode step
-            self.controller.record_step(time.perf_counter() - t0, bool(proposals))
+            drafted = max((len(p.tokens) for p in proposals.values()), default=0)
+            self.controller.record_step(time.perf_counter() - t0, drafted)
         return deltas
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> tuple[dict[int, Proposal], bool]:

@@ -279,10 +279,12 @@ WINDOW = 16
 class Controller:
     """Chooses k per sequence and switches speculation off where it costs more than it saves.
 
-    Cost is measured, not assumed: running means of the wall time of plain decode steps and
-    of speculative steps (draft + verify). A sequence keeps speculating while the tokens it
-    gains per speculative step exceed the step-time ratio; otherwise it pauses for
-    `probe_every` steps and probes again with k = 1."""
+    Cost is measured, not assumed: the wall time of plain decode steps and of speculative
+    steps (draft + verify), the latter per number of drafted tokens, since both drafting and
+    verifying cost more with k. For each sequence, k maximises the expected tokens per step
+    (from its running acceptance rate) over the step's relative cost; where no k beats a
+    plain step, or the tokens it really gains fall below the measured cost, speculation
+    pauses for `probe_every` steps and probes again with k = 1."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -290,7 +292,7 @@ class Controller:
         # recent step times; their minimum is the cost estimate, since other processes on
         # the machine only ever add time
         self.plain_s: deque[float] = deque(maxlen=WINDOW)  # decode steps without speculation
-        self.spec_s: deque[float] = deque(maxlen=WINDOW)  # speculative steps (draft + verify)
+        self.spec_s: dict[int, deque[float]] = {}  # drafted tokens -> speculative step times
 
     def state(self, seq: Sequence) -> SeqSpecState:
         if seq.seq_id not in self.states:
@@ -307,15 +309,23 @@ class Controller:
             return 0
         return min(st.k, room)
 
-    def record_step(self, seconds: float, speculative: bool) -> None:
-        (self.spec_s if speculative else self.plain_s).append(seconds)
+    def record_step(self, seconds: float, drafted: int) -> None:
+        """A decode step's wall time; `drafted`: the most tokens a sequence drafted in it."""
+        if drafted == 0:
+            self.plain_s.append(seconds)
+        else:
+            self.spec_s.setdefault(drafted, deque(maxlen=WINDOW)).append(seconds)
 
-    @property
-    def cost_ratio(self) -> float | None:
-        """Seconds of a speculative step over a plain one (None until both were measured)."""
+    def cost(self, k: int) -> float | None:
+        """Seconds of a step drafting k tokens over a plain step (None until measured):
+        measured where k was, else linear in k through the measured ones."""
         if not self.plain_s or not self.spec_s:
             return None
-        return min(self.spec_s) / min(self.plain_s)
+        plain = min(self.plain_s)
+        if k in self.spec_s:
+            return min(self.spec_s[k]) / plain
+        slopes = sorted((min(v) / plain - 1) / j for j, v in self.spec_s.items())
+        return 1 + max(slopes[len(slopes) // 2], 0.0) * k
 
     def record(self, seq: Sequence, proposed: int, accepted: int, produced: int) -> None:
         st = self.state(seq)
@@ -329,15 +339,21 @@ class Controller:
         st.acceptance = (1 - EMA) * st.acceptance + EMA * (accepted / proposed)
         st.tokens_per_step = (1 - EMA) * st.tokens_per_step + EMA * (accepted + 1)
         if self.config.adaptive:
-            self._adapt(st)
+            self._adapt(st, proposed)
 
-    def _adapt(self, st: SeqSpecState) -> None:
-        st.k = choose_k(st.acceptance, self.config.num_draft_tokens)
-        ratio = self.cost_ratio
-        if ratio is not None and st.spec_steps >= 3:
-            if st.tokens_per_step < ratio:
-                st.off_until = st.steps + self.config.probe_every
-                st.k, st.spec_steps, st.tokens_per_step = 1, 0, 1.0
+    def _adapt(self, st: SeqSpecState, proposed: int) -> None:
+        k_max = self.config.num_draft_tokens
+        costs = [self.cost(k) for k in range(1, k_max + 1)]
+        if costs[0] is None:  # nothing measured yet: from acceptance alone
+            st.k = choose_k(st.acceptance, k_max)
+            return
+        gains = [expected_tokens(st.acceptance, k) / c for k, c in enumerate(costs, start=1)]
+        best = max(range(k_max), key=gains.__getitem__)
+        st.k = best + 1
+        losing = gains[best] < 1.0 or st.tokens_per_step < self.cost(proposed)
+        if st.spec_steps >= 3 and losing:
+            st.off_until = st.steps + self.config.probe_every
+            st.k, st.spec_steps, st.tokens_per_step = 1, 0, 1.0
 
     def metrics(self, seqs: list[Sequence]) -> dict:
         """Per-request statistics, summed over its sequences."""
@@ -355,6 +371,14 @@ class Controller:
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Expected tokens per step drafting k, each accepted with probability `acceptance`
+    (until the first rejection), plus the target's own token."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
 def choose_k(acceptance: float, k_max: int) -> int:

@@ -20,6 +20,7 @@ from edgellm.speculative import (
     Proposal,
     SpeculativeConfig,
     choose_k,
+    expected_tokens,
     verify,
 )
 from tests.conftest import bpe_tokenizer, ours_from_hf, run_all, tiny_hf_model
@@ -340,6 +341,32 @@ def _fields(params: SamplingParams) -> dict:
 
 
 # ---- adaptation ------------------------------------------------------------------------------------
+def test_controller_picks_k_by_measured_cost():
+    from edgellm.sequence import Sequence
+
+    ctl = Controller(SpeculativeConfig("draft", 6, "memory"))
+    seq = Sequence("r", [1, 2, 3], SamplingParams())
+    ctl.record_step(0.010, drafted=0)
+    ctl.record_step(0.014, drafted=2)  # a drafted token adds 20% of a plain step
+    assert ctl.cost(2) == pytest.approx(1.4) and ctl.cost(5) == pytest.approx(2.0)
+    for _ in range(3):  # 90% accepted: long drafts pay
+        ctl.record(seq, 2, 2, 3)
+    st = ctl.state(seq)
+    assert st.k >= 4 and st.off_until == 0
+    expensive = Controller(SpeculativeConfig("draft", 6, "memory"))
+    expensive.record_step(0.010, drafted=0)
+    expensive.record_step(0.030, drafted=2)  # a drafted token costs a plain step
+    for _ in range(3):  # 50% accepted: no k beats plain decoding
+        expensive.record(seq, 2, 1, 2)
+    assert expensive.state(seq).off_until > 0
+
+
+def test_expected_tokens():
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
 def test_choose_k_grows_with_acceptance():
     ks = [choose_k(a, 8) for a in (0.0, 0.3, 0.6, 0.8, 0.95, 1.0)]
     assert ks == sorted(ks) and ks[0] == 1 and ks[-1] == 8
@@ -351,10 +378,10 @@ def test_controller_switches_off_when_speculation_costs_more():
     ctl = Controller(SpeculativeConfig("ngram", 4, probe_every=5))
     seq = Sequence("r", [1, 2, 3], SamplingParams())
     assert [ctl.k_for(seq, 10) for _ in range(2)] == [0, 0]  # warm-up: plain steps
-    ctl.record_step(0.010, speculative=False)
+    ctl.record_step(0.010, drafted=0)
     for _ in range(3):  # each speculative step costs 3x a plain one but gains 1.5 tokens
         assert ctl.k_for(seq, 10) > 0
-        ctl.record_step(0.030, speculative=True)
+        ctl.record_step(0.030, drafted=4)
         ctl.record(seq, 4, 1, 2)
     assert [ctl.k_for(seq, 10) for _ in range(4)] == [0] * 4  # switched off ...
     assert ctl.k_for(seq, 10) == 1  # ... and probing again
