@@ -256,8 +256,10 @@ class LlamaCppBackend:
         cparams = ll.llama_context_default_params()
         # every cell of the engine's pool, plus one batch of slack for partly filled blocks
         cparams.n_ctx = self.num_blocks * self.block_size + self.n_batch
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = min(512, self.n_batch)
+        # llama.cpp sizes its worst-case graph for one output per sequence id: its batch
+        # must hold MAX_SEQ tokens even when the engine's steps are smaller
+        cparams.n_batch = max(self.n_batch, MAX_SEQ)
+        cparams.n_ubatch = min(512, cparams.n_batch)
         cparams.n_seq_max = MAX_SEQ
         cparams.kv_unified = True  # seq_cp shares cells; any sequence may use any cell
         cparams.n_threads = cparams.n_threads_batch = self.threads

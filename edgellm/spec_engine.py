@@ -63,7 +63,13 @@ class SpeculativeEngine(Engine):
     def _propose(self, scheduled: list[ScheduledSeq]) -> tuple[dict[int, Proposal], bool]:
         """Draft tokens for the decoding sequences that speculate this step, keyed by seq_id;
         appends them to the sequences and widens their scheduled chunks."""
-        asks = [(item.seq, self._k(item)) for item in scheduled if self._is_decode(item)]
+        # drafted tokens share the step's token budget with everything scheduled
+        spare = self.config.max_num_batched_tokens - sum(it.num_tokens for it in scheduled)
+        asks = []
+        for item in scheduled:
+            if self._is_decode(item):
+                asks.append((item.seq, k := self._k(item, max(spare, 0))))
+                spare -= k
         all_decode = len(asks) == len(scheduled)
         asks = [(seq, k) for seq, k in asks if k > 0]
         props = self.proposer.propose(asks) if asks else []
@@ -83,10 +89,12 @@ class SpeculativeEngine(Engine):
         seq = item.seq
         return item.num_tokens == 1 and item.wants_logits and not seq.pending_forks
 
-    def _k(self, item: ScheduledSeq) -> int:
+    def _k(self, item: ScheduledSeq, spare: int) -> int:
         seq = item.seq
         room = min(
-            seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - len(seq) - 1
+            seq.params.max_tokens - len(seq.output_ids) - 1,
+            self.max_model_len - len(seq) - 1,
+            spare,
         )
         k = self.controller.k_for(seq, max(room, 0))
         if not k or not self.block_manager.can_append(seq, k):

@@ -180,23 +180,25 @@ class DraftProposer:
         return Proposal(drafted[id(m)], torch.stack(probs[id(m)]))
 
     def _catch_up(self, mirrors: list[Sequence]) -> None:
-        """Compute each mirror up to (not including) its last token, in chunks no larger than
-        the backend's batch (a new mirror holds the whole prompt)."""
+        """Bring the mirrors close enough to their last token that the first draft step
+        (which computes every uncomputed token) fits the backend's batch: a new mirror holds
+        the whole prompt. Usually nothing to do: after a step the gap is a token or two,
+        computed by the first draft forward itself rather than by an extra one."""
         budget = getattr(self.backend, "n_batch", None) or 1 << 30
-        pending = [m for m in mirrors if m.num_uncomputed > 1]
-        while pending:
+        while sum(m.num_uncomputed for m in mirrors) > budget:
             chunk, used = [], 0
-            for m in pending:
+            for m in sorted(mirrors, key=lambda m: -m.num_uncomputed):
                 n = min(m.num_uncomputed - 1, budget - used)
                 if n <= 0:
                     break
                 chunk.append(ScheduledSeq(m, n))
                 used += n
+            if not chunk:  # only last tokens left: the draft step takes them
+                break
             self.backend.forward(chunk)  # no chunk reaches its last token: no logits
             for item in chunk:
                 item.seq.num_computed_tokens += item.num_tokens
                 self.block_manager.register_computed(item.seq)
-            pending = [m for m in pending if m.num_uncomputed > 1]
 
     def _draft_step(self, batch, drafted: dict, probs: dict) -> None:
         """One draft forward for every mirror in `batch`; appends one drafted token each."""

@@ -204,6 +204,15 @@ def test_batched_speculation_equals_alone(make_backend):
     assert_no_leak(eng)
 
 
+def test_draft_catches_up_in_backend_sized_chunks(make_backend):
+    target, draft = models()
+    ps = prompts(3, seed=7)  # prompts up to 40 tokens, steps of at most 16 (llama.cpp's batch)
+    ref = tokens(run_all(plain_engine(make_backend, target, max_num_batched_tokens=16), ps, GREEDY))
+    eng = spec_engine(make_backend, target, draft, max_num_batched_tokens=16)
+    assert tokens(run_checked(eng, ps, GREEDY)) == ref
+    assert_no_leak(eng)
+
+
 def test_no_kv_leak_with_preemption_and_rollbacks(make_backend):
     target, draft = models(noise=0.5)
     ps = prompts(6, seed=1)
