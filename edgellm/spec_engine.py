@@ -55,7 +55,8 @@ class SpeculativeEngine(Engine):
         self.stats["forward_s"] += time.perf_counter() - t1
         self.stats["steps"] += 1
         deltas = self._postprocess_spec(out.scheduled, logits, proposals)
-        if all_decode:  # prefill chunks would blur the cost of a decode step
+        # prefill chunks, or a draft catching up on a prompt, would blur the cost of a step
+        if all_decode and not (proposals and self.proposer.catch_up_tokens):
             drafted = max((len(p.tokens) for p in proposals.values()), default=0)
             self.controller.record_step(time.perf_counter() - t0, drafted)
         return deltas

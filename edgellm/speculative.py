@@ -122,6 +122,8 @@ class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
     (n from ngram_max down to ngram_min) and propose the tokens that followed it."""
 
+    catch_up_tokens = 0  # a lookup computes nothing (see DraftProposer.catch_up_tokens)
+
     def __init__(self, ngram_max: int = 3, ngram_min: int = 2):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
 
@@ -162,9 +164,13 @@ class DraftProposer:
         if hasattr(backend, "bind"):
             backend.bind(self.block_manager)
         self.mirrors: dict[int, Sequence] = {}  # target seq_id -> draft sequence
+        self.catch_up_tokens = 0
 
     def propose(self, items: list[tuple[Sequence, int]]) -> list[Proposal]:
         live = [(seq, k, m) for seq, k in items if (m := self._mirror(seq, k)) is not None]
+        # tokens computed beyond the usual gap (a drafted token and the bonus): a new mirror's
+        # prompt, or the text a paused sequence produced; such a step's time is no cost sample
+        self.catch_up_tokens = sum(max(m.num_uncomputed - 2, 0) for _, _, m in live)
         self._catch_up([m for _, _, m in live])
         drafted = {id(m): [] for _, _, m in live}
         probs = {id(m): [] for _, _, m in live}
@@ -268,14 +274,15 @@ class SeqSpecState:
     plain_steps: int = 0  # decode forwards without drafted tokens
     tokens: int = 0  # tokens produced by this sequence's decode forwards
     acceptance: float = 0.7  # running (EMA) acceptance rate per drafted token
-    tokens_per_step: float = 1.0  # running (EMA) tokens per speculative step
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # (drafted, accepted)
     off_until: int = 0  # decode step index before which speculation stays off
     steps: int = 0  # decode steps seen
-    history: list[int] = field(default_factory=list)  # accepted count per spec step
 
 
 EMA = 0.3
 WINDOW = 16
+RECENT = 8  # speculative steps a sequence's real gain is judged on
+MIN_EVIDENCE = 4  # speculative steps before a sequence may be switched off
 
 
 class Controller:
@@ -339,11 +346,11 @@ class Controller:
         st.proposed += proposed
         st.accepted += accepted
         st.acceptance = (1 - EMA) * st.acceptance + EMA * (accepted / proposed)
-        st.tokens_per_step = (1 - EMA) * st.tokens_per_step + EMA * (accepted + 1)
+        st.recent.append((proposed, accepted))
         if self.config.adaptive:
-            self._adapt(st, proposed)
+            self._adapt(st)
 
-    def _adapt(self, st: SeqSpecState, proposed: int) -> None:
+    def _adapt(self, st: SeqSpecState) -> None:
         k_max = self.config.num_draft_tokens
         costs = [self.cost(k) for k in range(1, k_max + 1)]
         if costs[0] is None:  # nothing measured yet: from acceptance alone
@@ -352,10 +359,15 @@ class Controller:
         gains = [expected_tokens(st.acceptance, k) / c for k, c in enumerate(costs, start=1)]
         best = max(range(k_max), key=gains.__getitem__)
         st.k = best + 1
-        losing = gains[best] < 1.0 or st.tokens_per_step < self.cost(proposed)
-        if st.spec_steps >= 3 and losing:
+        if len(st.recent) < MIN_EVIDENCE:
+            return
+        # what the recent speculative steps really produced, against what they cost
+        produced = sum(a + 1 for _, a in st.recent)
+        cost = sum(self.cost(d) for d, _ in st.recent)
+        if gains[best] < 1.0 or produced < cost:
             st.off_until = st.steps + self.config.probe_every
-            st.k, st.spec_steps, st.tokens_per_step = 1, 0, 1.0
+            st.k = 1
+            st.recent.clear()
 
     def metrics(self, seqs: list[Sequence]) -> dict:
         """Per-request statistics, summed over its sequences."""

@@ -365,7 +365,7 @@ def test_controller_picks_k_by_measured_cost():
     expensive = Controller(SpeculativeConfig("draft", 6, "memory"))
     expensive.record_step(0.010, drafted=0)
     expensive.record_step(0.030, drafted=2)  # a drafted token costs a plain step
-    for _ in range(3):  # 50% accepted: no k beats plain decoding
+    for _ in range(4):  # 50% accepted: no k beats plain decoding
         expensive.record(seq, 2, 1, 2)
     assert expensive.state(seq).off_until > 0
 
@@ -388,7 +388,7 @@ def test_controller_switches_off_when_speculation_costs_more():
     seq = Sequence("r", [1, 2, 3], SamplingParams())
     assert [ctl.k_for(seq, 10) for _ in range(2)] == [0, 0]  # warm-up: plain steps
     ctl.record_step(0.010, drafted=0)
-    for _ in range(3):  # each speculative step costs 3x a plain one but gains 1.5 tokens
+    for _ in range(4):  # each speculative step costs 3x a plain one but gains 2 tokens
         assert ctl.k_for(seq, 10) > 0
         ctl.record_step(0.030, drafted=4)
         ctl.record(seq, 4, 1, 2)
