@@ -365,7 +365,7 @@ def test_controller_picks_k_by_measured_cost():
     expensive = Controller(SpeculativeConfig("draft", 6, "memory"))
     expensive.record_step(0.010, drafted=0)
     expensive.record_step(0.030, drafted=2)  # a drafted token costs a plain step
-    for _ in range(4):  # 50% accepted: no k beats plain decoding
+    for _ in range(4):  # 50% accepted: 2 tokens a step that costs 3 plain ones
         expensive.record(seq, 2, 1, 2)
     assert expensive.state(seq).off_until > 0
 
