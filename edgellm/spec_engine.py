@@ -18,6 +18,7 @@ from edgellm.scheduler import ScheduledSeq
 from edgellm.sequence import Sequence
 from edgellm.speculative import (
     Controller,
+    DraftProposer,
     Proposal,
     SpeculativeConfig,
     target_distributions,
@@ -37,7 +38,7 @@ class SpeculativeEngine(Engine):
         super().__init__(backend, tokenizer, config)
         self.spec = spec
         self.proposer = proposer
-        self.controller = Controller(spec)
+        self.controller = Controller(spec, costly_start=isinstance(proposer, DraftProposer))
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:

@@ -295,8 +295,12 @@ class Controller:
     last speculative steps really produced fall below what those steps cost (in plain
     steps), speculation pauses for `probe_every` steps and probes again with k = 1."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, costly_start: bool = False):
         self.config = config
+        # a proposer that must first compute the sequence (a draft model prefilling the
+        # prompt) starts only where the engine's measurements say speculation pays
+        self.costly_start = costly_start
+        self.pooled: deque[tuple[int, int]] = deque(maxlen=4 * WINDOW)  # all sequences
         self.states: dict[int, SeqSpecState] = {}
         # recent step times; their minimum is the cost estimate, since other processes on
         # the machine only ever add time
@@ -316,7 +320,21 @@ class Controller:
             return min(self.config.num_draft_tokens, room)
         if st.steps <= 2 or st.steps < st.off_until:  # warm-up measures plain steps
             return 0
+        starting = st.steps == 3 or st.steps == st.off_until
+        if starting and self.costly_start and not self.pays():
+            st.off_until = st.steps + self.config.probe_every
+            return 0
         return min(st.k, room)
+
+    def pays(self) -> bool:
+        """Whether some k beats plain decoding at the measured costs and the acceptance
+        pooled over recent speculative steps of all sequences (True until measured)."""
+        proposed = sum(p for p, _ in self.pooled)
+        if self.cost(1) is None or not proposed:
+            return True
+        a = sum(acc for _, acc in self.pooled) / proposed
+        k_max = self.config.num_draft_tokens
+        return any(expected_tokens(a, k) >= self.cost(k) for k in range(1, k_max + 1))
 
     def record_step(self, seconds: float, drafted: int) -> None:
         """A decode step's wall time; `drafted`: the most tokens a sequence drafted in it."""
@@ -347,6 +365,7 @@ class Controller:
         st.accepted += accepted
         st.acceptance = (1 - EMA) * st.acceptance + EMA * (accepted / proposed)
         st.recent.append((proposed, accepted))
+        self.pooled.append((proposed, accepted))
         if self.config.adaptive:
             self._adapt(st)
 

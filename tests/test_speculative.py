@@ -370,6 +370,21 @@ def test_controller_picks_k_by_measured_cost():
     assert expensive.state(seq).off_until > 0
 
 
+@pytest.mark.parametrize("costly_start", [False, True])
+def test_a_draft_model_starts_only_where_it_pays(costly_start):
+    from edgellm.sequence import Sequence
+
+    ctl = Controller(SpeculativeConfig("draft", 4, "memory"), costly_start=costly_start)
+    first, second = (Sequence("r", [1, 2, 3], SamplingParams()) for _ in range(2))
+    assert [ctl.k_for(first, 10) for _ in range(3)] == [0, 0, 4]  # nothing measured: try
+    ctl.record_step(0.010, drafted=0)
+    ctl.record_step(0.030, drafted=2)  # a drafted token costs a plain step
+    for _ in range(4):
+        ctl.record(first, 2, 1, 2)  # 50% accepted
+    started = [ctl.k_for(second, 10) for _ in range(3)][-1] > 0
+    assert started != costly_start  # a new sequence would pay a prefill for no gain
+
+
 def test_expected_tokens():
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.0, 4) == 1.0
