@@ -141,7 +141,8 @@ def summarize(results: dict, kinds: list[str]) -> dict:
             "per_prompt": {
                 k: {
                     "speedup": (r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"]),
-                    "acceptance": r.get("spec_acceptance_rate"),
+                    "acceptance": r.get("spec_acceptance_rate") if r.get("spec_proposed") else None,
+                    "proposed": r.get("spec_proposed", 0),
                     "tokens_per_forward": r.get("spec_tokens_per_forward"),
                     "tokens": r["tokens"],
                 }
