@@ -244,7 +244,12 @@ class LlamaCppBackend:
         self.flash_attn = flash_attn  # off by default, as llama-cpp-python's `Llama`
         self._load(Path(gguf_path), n_live)
         self.cells = CellMap(self.mem, block_size, n_live, MAX_SEQ - n_live)
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._batch = b = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        # numpy views of the batch's arrays, made once: every step fills them
+        view = np.ctypeslib.as_array
+        self._tokens, self._pos = view(b.token, (self.n_batch,)), view(b.pos, (self.n_batch,))
+        self._want = view(b.logits, (self.n_batch,))
+        view(b.n_seq_id, (self.n_batch,))[:] = 1  # one sequence id per token, always
 
     def _load(self, path: Path, n_seq: int) -> None:
         ll = self.ll
@@ -288,10 +293,7 @@ class LlamaCppBackend:
         if n > self.n_batch:
             raise InvalidParameterError(f"{n} tokens in one step; the context takes {self.n_batch}")
         b = self._batch
-        tokens = np.ctypeslib.as_array(b.token, (n,))
-        pos = np.ctypeslib.as_array(b.pos, (n,))
-        logits = np.ctypeslib.as_array(b.logits, (n,))
-        np.ctypeslib.as_array(b.n_seq_id, (n,))[:] = 1
+        tokens, pos, logits = self._tokens[:n], self._pos[:n], self._want[:n]
         logits[:] = 0
         i = 0
         for item in batch:

@@ -195,3 +195,11 @@ def test_truncate_then_recompute(llm, reference):
     engine.block_manager.free(seq)
     backend.release(seq)
     assert_no_cells(llm)
+
+
+def test_a_cache_too_small_for_two_blocks_is_refused(smollm2_path):
+    from edgellm import LLM
+    from edgellm.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="holds only"):
+        LLM(str(smollm2_path), backend="llamacpp", kv_cache_mb=0.01)

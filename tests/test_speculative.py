@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from edgellm.engine import Engine, EngineConfig
+from edgellm.errors import InvalidParameterError
+from edgellm.llm import torch_backend
 from edgellm.sampler import process_logits
 from edgellm.sampling_params import SamplingParams
 from edgellm.spec_engine import SpeculativeEngine
@@ -26,12 +28,6 @@ from edgellm.speculative import (
 from tests.conftest import bpe_tokenizer, ours_from_hf, run_all, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-
-
-def torch_backend(model, config: EngineConfig):
-    from edgellm.backends.torch import TorchBackend
-
-    return TorchBackend(model, config.kv_cache_mb, config.block_size, config.max_model_len)
 
 
 VOCAB = 264  # bpe_tokenizer's: llama.cpp needs a tokenizer with merges in the GGUF
@@ -426,6 +422,18 @@ def test_cli_rejects_bad_speculative_options(args, needle, capsys, monkeypatch):
 
     code, _, err = run_cli(["generate", "hi", *args], capsys, monkeypatch)
     assert_one_line_error(code, err, needle)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
+    from edgellm import LLM
+
+    hf, _ = tiny()
+    for name, merges in [("target", None), ("draft", ("e s", "t h", "Ġ w", "o r"))]:
+        hf.save_pretrained(tmp_path / name)
+        tok = bpe_tokenizer(merges) if merges else bpe_tokenizer()
+        tok.save_pretrained(tmp_path / name)
+    with pytest.raises(InvalidParameterError, match="does not share the target's tokenizer"):
+        LLM(str(tmp_path / "target"), speculative="draft", draft_model=str(tmp_path / "draft"))
 
 
 @pytest.mark.slow
