@@ -38,7 +38,8 @@ demo: setup
 	$(VENV)/bin/edgellm generate --chat "What is the capital of France?" --max-tokens 48
 	$(VENV)/bin/edgellm eval ppl --text sotu --max-tokens 4096
 
-test: setup
+# lint first: it takes a second and names the file and line
+test: lint
 	$(PY) -m pytest -q -x tests
 
 lint: setup

@@ -2,27 +2,37 @@
 
 A backend owns the physical KV storage for `num_blocks` blocks of `block_size`
 tokens and runs one forward pass over a scheduled batch: for each scheduled
-sequence, `num_tokens` tokens starting at `seq.num_computed_tokens`, whose K/V
-go into the blocks of `seq.block_table`. It returns logits only for the rows
-that need them.
+sequence, `item.num_tokens` tokens (`item.input_ids()`) from position
+`item.start`, whose K/V go into the blocks of `seq.block_table`. It returns logits
+only for the rows that need them. Backends are built from (model, EngineConfig) by
+the registry (`backends/registry.py`); `check_backend` holds each to this contract.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from edgellm.scheduler import ScheduledSeq
-from edgellm.sequence import Sequence
+if TYPE_CHECKING:  # the engine sits above the backends: its types are only named here
+    from edgellm.engine.scheduler import ScheduledSeq
+    from edgellm.engine.sequence import Sequence
 
 
+@runtime_checkable
 class Backend(Protocol):
     name: str
     block_size: int
-    num_blocks: int
+    num_blocks: int  # KV blocks the backend's storage holds
     vocab_size: int
-    max_model_len: int
+    max_model_len: int  # longest sequence it can run (model limit, bounded by the pool)
+    max_num_batched_tokens: int  # most tokens one forward takes
+
+    def bind(self, uncache: Callable[[int], None]) -> None:
+        """Called once by the engine: `uncache(block_id)` withdraws a block from the prefix
+        cache, for a backend that cannot keep that block's K/V any longer."""
+        ...
 
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """Logits [rows, vocab] float32: `item.logit_rows` rows per scheduled item, in batch
@@ -34,16 +44,36 @@ class Backend(Protocol):
         """Copy-on-write: duplicate K/V of block src into block dst."""
         ...
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the sequence's K/V past `num_tokens` (rejected speculative tokens); the
+        engine trims the block table through the block manager."""
+        ...
+
     def release(self, seq: Sequence) -> None:
         """The sequence finished, was aborted or preempted: drop any storage the backend keeps
         for it outside the block pool (llama.cpp sequence cells). Its block table may already
         be empty."""
         ...
 
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Forget the sequence's K/V past `num_tokens` (rejected speculative tokens); the
-        engine trims the block table through the block manager."""
+    def block_cached(self, block_id: int) -> None:
+        """The block's K/V entered the prefix cache."""
         ...
+
+    def block_evicted(self, block_id: int) -> None:
+        """The block left the prefix cache (evicted for reuse or rewritten)."""
+        ...
+
+    def close(self) -> None:
+        """Free the backend's memory and native handles; idempotent."""
+        ...
+
+
+def check_backend(backend: object) -> None:
+    """Raise TypeError naming what `backend` lacks of the Backend contract."""
+    members = [*Backend.__annotations__, *(n for n in vars(Backend) if not n.startswith("_"))]
+    missing = sorted({m for m in members if not hasattr(backend, m)})
+    if missing:
+        raise TypeError(f"{type(backend).__name__} is not a Backend: lacks {', '.join(missing)}")
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -24,16 +24,25 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from edgellm.backends.base import kv_bytes_per_token
 
+from edgellm.backends.base import kv_bytes_per_token
+from edgellm.config import EngineConfig, kv_pool_blocks
 from edgellm.errors import EdgeLLMError, InvalidParameterError
-from edgellm.scheduler import ScheduledSeq
-from edgellm.sequence import Sequence
+from edgellm.loaders.model import LoadedModel
+from edgellm.models.llama import ModelArgs
+from edgellm.quantize.export_gguf import cached_gguf
+
+if TYPE_CHECKING:
+    from edgellm.engine.scheduler import ScheduledSeq
+    from edgellm.engine.sequence import Sequence
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids per context
 
@@ -56,17 +65,16 @@ class _LSeq:
 class CellMap:
     """Engine sequences and cached blocks -> llama.cpp sequence ids and their cells."""
 
-    def __init__(self, mem, block_size: int, n_live: int, n_keepers: int):
-        import llama_cpp
-
-        self.ll, self.mem, self.bs = llama_cpp, mem, block_size
+    def __init__(self, ll, mem, block_size: int, n_live: int, n_keepers: int):
+        self.ll, self.mem, self.bs = ll, mem, block_size
         self.free_lseqs = list(range(n_live - 1, -1, -1))
         self.live: dict[int, _LSeq] = {}  # engine seq_id -> its lseq
         self.keepers = [_LSeq(n_live + i) for i in range(n_keepers)]
         self.holders: dict[int, set[int]] = {}  # block id -> lseqs that may hold it
         self.by_lseq: dict[int, _LSeq] = {k.lseq: k for k in self.keepers}
         self.cow_src: dict[int, int] = {}  # this step's copy-on-write: dst block -> src block
-        self.block_manager = None
+        self.cached: set[int] = set()  # blocks in the engine's prefix cache
+        self.uncache: Callable[[int], None] = self.cached.discard  # the engine's, once bound
 
     def copy_on_write(self, copies: list[tuple[int, int]]) -> None:
         """A copied block's computed part is its source's: cells are shared, not copied."""
@@ -139,6 +147,10 @@ class CellMap:
                 self.holders[block].discard(lseq)
         return None
 
+    def evict(self, block: int) -> None:
+        """The block's content is gone from the prefix cache: no keeper holds it any longer."""
+        self._evict_stale(block, keep=-1)
+
     def _evict_stale(self, block: int, keep: int) -> None:
         for k in self.keepers:
             if k.lseq != keep and block in k.table:
@@ -172,18 +184,15 @@ class CellMap:
 
     def _keep_cached(self, s: _LSeq) -> None:
         """Move the sequence's cached full blocks that no one else holds to keepers."""
-        bm = self.block_manager
-        if bm is None or not bm.enable_prefix_caching:
-            return
         for i, b in enumerate(s.table[: s.n_cells // self.bs]):
             full = (i + 1) * self.bs
-            if bm.blocks[b].hash is None or self._holder(b, i, s.lseq, full) is not None:
+            if b not in self.cached or self._holder(b, i, s.lseq, full) is not None:
                 continue
             keeper = next(
                 (k for k in self.keepers if len(k.table) <= i or k.table[i] is None), None
             )
             if keeper is None:
-                bm.uncache(b)
+                self.uncache(b)
                 continue
             self.ll.llama_memory_seq_cp(
                 self.mem, s.lseq, keeper.lseq, i * self.bs, (i + 1) * self.bs
@@ -204,52 +213,63 @@ class CellMap:
         )
 
 
+_LOG = {"verbose": False, "callback": None}  # one callback per process; kept alive here
+
+
+def quiet_logs(ll, verbose: bool) -> None:
+    """llama.cpp's own log lines (context sizes, warnings such as "n_ctx_seq > n_ctx_train")
+    reach stderr only with `verbose`. Our own callback: llama-cpp-python's maps llama.cpp's
+    log levels to the wrong ones and lets warnings through."""
+    _LOG["verbose"] = verbose
+    if _LOG["callback"] is None:
+
+        def log(level: int, text: bytes, user_data) -> None:
+            if _LOG["verbose"]:
+                sys.stderr.write(text.decode("utf-8", "replace"))
+
+        _LOG["callback"] = ll.llama_log_callback(log)
+        ll.llama_log_set(_LOG["callback"], ctypes.c_void_p(0))
+
+
 class LlamaCppBackend:
     """Runs a GGUF file with llama.cpp; several sequences per `llama_decode`."""
 
     name = "llamacpp"
 
-    def __init__(
-        self,
-        gguf_path: str | Path,
-        args,  # ModelArgs of the same file
-        kv_cache_mb: float = 512,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 1024,
-        threads: int | None = None,
-        flash_attn: bool = False,
-    ):
+    def __init__(self, gguf_path: str | Path, args: ModelArgs, config: EngineConfig):
         import llama_cpp
-        from llama_cpp import _logger
 
-        _logger.set_verbose(False)
+        quiet_logs(llama_cpp, config.verbose)
         self.ll = llama_cpp
-        self.block_size = block_size
+        self.verbose = config.verbose
+        self.block_size = config.block_size
         self.vocab_size = args.vocab_size
-        per_block = block_size * kv_bytes_per_token(
+        per_token = kv_bytes_per_token(
             args.num_hidden_layers, args.num_key_value_heads, args.head_dim, torch.float16
         )
-        self.num_blocks = int(kv_cache_mb * 2**20 // per_block)
-        if self.num_blocks < 2:
-            raise InvalidParameterError(
-                f"--kv-cache-mb {kv_cache_mb} holds only {self.num_blocks} blocks of {block_size} tokens"
-            )
-        limit = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        self.max_model_len = min(limit, self.num_blocks * block_size)
-        n_live = min(max_num_seqs, MAX_SEQ // 2)
-        self.threads = threads or os.cpu_count() or 1
-        self.n_batch = max_num_batched_tokens
-        self.flash_attn = flash_attn  # off by default, as llama-cpp-python's `Llama`
+        self.num_blocks = kv_pool_blocks(config.kv_cache_mb, config.block_size, per_token)
+        limit = min(
+            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
+        )
+        self.max_model_len = min(limit, self.num_blocks * config.block_size)
+        n_live = min(config.max_num_seqs, MAX_SEQ // 2)
+        self.threads = config.threads or os.cpu_count() or 1
+        self.max_num_batched_tokens = self.n_batch = config.max_num_batched_tokens
+        self.flash_attn = False  # off, as llama-cpp-python's `Llama`
         self._load(Path(gguf_path), n_live)
-        self.cells = CellMap(self.mem, block_size, n_live, MAX_SEQ - n_live)
+        self.cells = CellMap(llama_cpp, self.mem, config.block_size, n_live, MAX_SEQ - n_live)
         self._batch = b = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         # numpy views of the batch's arrays, made once: every step fills them
         view = np.ctypeslib.as_array
         self._tokens, self._pos = view(b.token, (self.n_batch,)), view(b.pos, (self.n_batch,))
         self._want = view(b.logits, (self.n_batch,))
         view(b.n_seq_id, (self.n_batch,))[:] = 1  # one sequence id per token, always
+
+    @classmethod
+    def build(cls, loaded: LoadedModel, config: EngineConfig) -> LlamaCppBackend:
+        """llama.cpp on the model's GGUF: the file itself, or its export (cached by content)."""
+        path = loaded.path if loaded.format == "gguf" else cached_gguf(loaded)
+        return cls(path, loaded.args, config)
 
     def _load(self, path: Path, n_seq: int) -> None:
         ll = self.ll
@@ -284,8 +304,17 @@ class LlamaCppBackend:
                 f"{path}: llama.cpp sees {n_vocab} tokens, expected {self.vocab_size}"
             )
 
-    def bind(self, block_manager) -> None:
-        self.cells.block_manager = block_manager
+    def bind(self, uncache: Callable[[int], None]) -> None:
+        self.cells.uncache = uncache
+
+    def block_cached(self, block_id: int) -> None:
+        self.cells.cached.add(block_id)
+
+    def block_evicted(self, block_id: int) -> None:
+        """Keepers' cells of an evicted block are dead weight: every new sequence would attend
+        (masked) over them in the unified cache, so they go at once."""
+        self.cells.cached.discard(block_id)
+        self.cells.evict(block_id)
 
     # ---- the forward pass ----------------------------------------------------------------
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
@@ -300,7 +329,7 @@ class LlamaCppBackend:
             seq, start = item.seq, item.seq.num_computed_tokens
             lseq = self.cells.prepare(seq)
             k = item.num_tokens
-            tokens[i : i + k] = seq.token_ids[start : start + k]
+            tokens[i : i + k] = item.input_ids()
             pos[i : i + k] = np.arange(start, start + k)
             for j in range(i, i + k):
                 b.seq_id[j][0] = lseq

@@ -2,50 +2,67 @@
 
 from __future__ import annotations
 
-import torch
-from edgellm.backends.base import kv_bytes_per_token
-from edgellm.kernels.paged_attention import AttentionMetadata
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from edgellm.errors import InvalidParameterError
-from edgellm.scheduler import ScheduledSeq
-from edgellm.sequence import Sequence
+import torch
+
+from edgellm.backends.base import kv_bytes_per_token
+from edgellm.config import EngineConfig, kv_pool_blocks
+from edgellm.kernels.paged_attention import AttentionMetadata
+from edgellm.loaders.model import LoadedModel
+from edgellm.quantize.build import build_model
+
+if TYPE_CHECKING:
+    from edgellm.engine.scheduler import ScheduledSeq
+    from edgellm.engine.sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        kv_cache_mb: float = 512,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        kv_dtype: torch.dtype | None = None,
-    ):
+    def __init__(self, model: torch.nn.Module, config: EngineConfig):
         args = model.args
         self.model = model
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.vocab_size = args.vocab_size
-        self.max_model_len = min(
-            max_model_len or args.max_position_embeddings, args.max_position_embeddings
-        )
-        dtype = kv_dtype or next(model.parameters()).dtype
-        per_block = block_size * kv_bytes_per_token(
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        dtype = next(model.parameters()).dtype  # the embeddings': the model's float dtype
+        per_token = kv_bytes_per_token(
             args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype
         )
-        self.num_blocks = int(kv_cache_mb * 2**20 // per_block)
-        if self.num_blocks < 2:
-            raise InvalidParameterError(
-                f"--kv-cache-mb {kv_cache_mb} holds only {self.num_blocks} blocks of {block_size} tokens"
-            )
+        self.num_blocks = kv_pool_blocks(config.kv_cache_mb, config.block_size, per_token)
         # one sequence can never hold more tokens than the whole pool
-        self.max_model_len = min(self.max_model_len, self.num_blocks * block_size)
-        shape = (self.num_blocks, block_size, args.num_key_value_heads, args.head_dim)
+        limit = min(
+            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
+        )
+        self.max_model_len = min(limit, self.num_blocks * config.block_size)
+        shape = (self.num_blocks, config.block_size, args.num_key_value_heads, args.head_dim)
         # [num_blocks, block_size, n_kv_heads, head_dim] per layer, for K and V
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(args.num_hidden_layers)
         ]
+
+    @classmethod
+    def build(cls, loaded: LoadedModel, config: EngineConfig) -> TorchBackend:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        return cls(build_model(loaded, DTYPES[config.dtype]), config)
+
+    def bind(self, uncache: Callable[[int], None]) -> None:
+        pass  # K/V live in the block pool itself: whatever the cache keeps stays valid
+
+    def block_cached(self, block_id: int) -> None:
+        pass
+
+    def block_evicted(self, block_id: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.kv_caches = []
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -80,7 +97,7 @@ def prepare_inputs(batch: list[ScheduledSeq], block_size: int, all_logits: bool 
     for item in batch:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_tokens
-        ids += seq.token_ids[start:end]
+        ids += item.input_ids()
         positions = range(start, end)
         pos += positions
         slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in positions]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from edgellm import LLM, SamplingParams
-from edgellm.texts import load_text
+from edgellm.loaders.texts import load_text
 
 
 def workload(tok, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -110,7 +110,7 @@ def ttft_cached(llm: LLM, prefix_len: int = 1000) -> dict:
 
     def ttft(prompt):
         out = llm.generate([prompt], params)[0]
-        return out.metrics["ttft_s"], out.num_cached_tokens
+        return out.metrics.ttft_s, out.num_cached_tokens
 
     llm.engine.block_manager.enable_prefix_caching = False
     cold = min(ttft(prefix + ids[2000 + 30 * i : 2024 + 30 * i])[0] for i in range(2))
@@ -152,7 +152,7 @@ def main() -> None:
     from rich.progress import Progress
 
     console = Console()
-    llm = LLM(dtype=args.dtype, kv_cache_mb=1024, max_num_batched_tokens=1024)
+    llm = LLM(backend="torch", dtype=args.dtype, kv_cache_mb=1024, max_num_batched_tokens=1024)
     work = {c: workload(llm.tokenizer, max(4, args.requests_per_slot * c), seed=c) for c in levels}
     results: dict = {"edgellm": {}, "transformers": {}}
     with Progress(console=console) as bar:

@@ -55,17 +55,17 @@ class EdgeLLM:
 
         self.params = SamplingParams
         # No prefix caching: repeats of the same prompt must recompute it.
-        self.llm = LLM(dtype="float32", threads=threads, enable_prefix_caching=False)
+        self.llm = LLM(backend="torch", dtype="float32", threads=threads, enable_prefix_caching=False)
 
     def prefill_s(self, ids: list[int]) -> float:
         out = self.llm.generate([ids], self.params(temperature=0, max_tokens=1, ignore_eos=True))[0]
-        return out.metrics["ttft_s"]
+        return out.metrics.ttft_s
 
     def decode_s(self, ids: list[int], n: int) -> tuple[float, float]:
         params = self.params(temperature=0, max_tokens=n, ignore_eos=True)
         out = self.llm.generate([ids], params)[0]
         assert len(out.outputs[0].token_ids) == n, "edgellm stopped early"
-        return out.metrics["ttft_s"], out.metrics["e2e_s"]
+        return out.metrics.ttft_s, out.metrics.e2e_s
 
 
 class Transformers:
@@ -152,7 +152,7 @@ ENGINES = (EdgeLLM, Transformers, LlamaCpp)
 def prompt_ids(lengths: list[int]) -> list[int]:
     """The first max(lengths) tokens of a real text, with the default model's tokenizer."""
     from edgellm.loaders.model import load_model
-    from edgellm.texts import load_text
+    from edgellm.loaders.texts import load_text
 
     tokenizer = load_model(None).tokenizer
     ids = tokenizer.encode(load_text(TEXT)[: 20 * max(lengths)], add_special_tokens=False)

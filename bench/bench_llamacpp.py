@@ -74,7 +74,7 @@ def edgellm_decode(llm, ids: list[int], n: int, repeats: int) -> list[float]:
     for _ in range(repeats):
         out = llm.generate([ids], params)[0]
         m = out.metrics
-        rates.append((n - 1) / (m["e2e_s"] - m["ttft_s"]))
+        rates.append((n - 1) / (m.e2e_s - m.ttft_s))
     return rates
 
 
@@ -125,7 +125,7 @@ def raw_batch_decode(path: Path, c: int, n: int, threads: int, prompt_len: int) 
 
 
 def speed(args, path: Path, bar, task) -> dict:
-    from edgellm.texts import load_text
+    from edgellm.loaders.texts import load_text
 
     llm = edgellm_llm(path, args.threads)
     words = load_text("sotu").split()
@@ -206,8 +206,8 @@ def edgellm_gguf(args, method: str, group: int) -> Path:
 
 def perplexity(path: Path, args) -> dict:
     from edgellm import LLM
-    from edgellm.evaluate import perplexity as ppl
-    from edgellm.texts import load_text
+    from edgellm.eval.perplexity import perplexity as ppl
+    from edgellm.loaders.texts import load_text
 
     llm = LLM(
         str(path),

@@ -119,10 +119,10 @@ def main() -> None:
     if args.one:
         return run_one(args)
 
-    from edgellm.quantize.pipeline import measure_ppl
     from rich.console import Console
     from rich.progress import Progress
 
+    from edgellm.quantize.pipeline import measure_ppl
     from edgellm.registry import resolve_model
 
     console = Console()

@@ -27,8 +27,12 @@ from pathlib import Path
 import torch
 
 from edgellm import LLM, SamplingParams
-from edgellm.speculative import SpeculativeConfig
-from edgellm.texts import load_text
+from edgellm.config import SpeculativeConfig
+from edgellm.engine import block_manager
+from edgellm.engine.outputs import RequestMetrics
+from edgellm.loaders.texts import load_text
+from edgellm.sampling import sampler
+from edgellm.spec import controller, proposers
 
 # mode name -> SpeculativeConfig arguments (None: plain decoding)
 SMOL_MODES = {
@@ -49,8 +53,6 @@ def code_sample(fn) -> str:
 
 def workload(n_chars: int = 900) -> list[tuple[str, str]]:
     """(kind, user message) pairs whose answers mostly copy from the prompt."""
-    from edgellm import kv_cache, sampler, speculative
-
     text = load_text("sotu")
     passage = text[20000 : 20000 + n_chars]
     return [
@@ -64,13 +66,13 @@ def workload(n_chars: int = 900) -> list[tuple[str, str]]:
             "edit-code",
             "Add a docstring line to every function below and return the full code unchanged "
             "otherwise.\n\n"
-            + code_sample(speculative.find_last)
-            + code_sample(speculative.choose_k),
+            + code_sample(proposers.find_last)
+            + code_sample(controller.choose_k),
         ),
         (
             "rename",
             "In this code rename `block_id` to `bid`. Return the complete code.\n\n"
-            + code_sample(kv_cache.BlockManager.trim),
+            + code_sample(block_manager.BlockManager.trim),
         ),
         ("copy-edit", f"Fix any typos in this text and return it in full:\n\n{passage[:500]}"),
         # open-ended: nothing to copy from the prompt (the draft model's case, n-gram's worst)
@@ -101,8 +103,21 @@ def run_one(llm: LLM, ids: list[int], max_tokens: int, repeats: int) -> dict:
         dt = time.perf_counter() - t0
         if best is None or dt < best["seconds"]:
             toks = out.outputs[0].token_ids
-            best = {"tokens": len(toks), "seconds": dt, "token_ids": toks, **out.metrics}
+            best = {"tokens": len(toks), "seconds": dt, "token_ids": toks, **flat(out.metrics)}
     return best
+
+
+def flat(m: RequestMetrics) -> dict:
+    """The metrics as the JSON results store them (spec_* keys when speculating)."""
+    out = {"ttft_s": m.ttft_s, "e2e_s": m.e2e_s, "decode_tokens_per_s": m.decode_tokens_per_s}
+    if m.spec is not None:
+        out |= {
+            "spec_proposed": m.spec.proposed,
+            "spec_accepted": m.spec.accepted,
+            "spec_acceptance_rate": m.spec.acceptance_rate,
+            "spec_tokens_per_forward": m.spec.tokens_per_forward,
+        }
+    return out
 
 
 def make_llm(args, mode: dict | None) -> LLM:

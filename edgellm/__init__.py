@@ -1,22 +1,13 @@
 """edgellm: quantize once, run everywhere.
 
 from edgellm import LLM, SamplingParams
-llm = LLM()  # SmolLM2-135M-Instruct, torch backend
+llm = LLM()  # SmolLM2-135M-Instruct on the best backend this machine has
 print(llm.chat([{"role": "user", "content": "Hi!"}])[0].text)
 """
 
-__version__ = "0.1.0"
+# the public API, re-exported; the packages below depend one way (see README, Architecture)
+from edgellm.entrypoints.llm import LLM
+from edgellm.sampling.params import SamplingParams
+from edgellm.version import __version__
+
 __all__ = ["LLM", "SamplingParams", "__version__"]
-
-
-def __getattr__(name: str):
-    # Lazy: `import edgellm` (and the CLI's --help) stays fast without torch.
-    if name == "LLM":
-        from edgellm.llm import LLM
-
-        return LLM
-    if name == "SamplingParams":
-        from edgellm.sampling_params import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(name)

@@ -12,17 +12,50 @@ import math
 from dataclasses import dataclass, field, fields
 
 import torch
-from edgellm.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from torch import nn
 
 from edgellm.errors import UnsupportedArchitectureError
+from edgellm.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
-# Per-architecture facts that HF configs leave implicit.
+# Per-architecture facts that HF configs leave implicit. `gguf`: llama.cpp's
+# general.architecture, and whether its converter permutes q/k rows (interleaved RoPE).
 FAMILY: dict[str, dict] = {
-    "llama": {"qkv_bias": False},
-    "mistral": {"qkv_bias": False},
-    "qwen2": {"qkv_bias": True},
+    "llama": {"qkv_bias": False, "gguf": ("llama", True)},
+    "mistral": {"qkv_bias": False, "gguf": ("llama", True)},
+    "qwen2": {"qkv_bias": True, "gguf": ("qwen2", False)},
 }
+
+# llama.cpp tensor names -> HF names: per decoder layer (blk.{i}.*), and global
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# AWQ scale groups: (op before the linears that absorbs 1/s, linears sharing its output,
+# module whose output measures the loss or None for the linears'); paths within a layer
+AWQ_SCALE_GROUPS: list[tuple[str, list[str], str | None]] = [
+    ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], None),
+    # attention mixes v per channel, so v's rows can absorb 1/s when each o input is one v
+    # output (no GQA); checked at run time from the shapes
+    ("self_attn.v_proj", ["self_attn.o_proj"], None),
+    ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"),
+    ("mlp.up_proj", ["mlp.down_proj"], None),
+]
 
 
 # Linear layers of a decoder layer in the order data flows through them; each stage's

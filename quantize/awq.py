@@ -19,6 +19,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.func import functional_call
+
+from edgellm.errors import InvalidParameterError
+from edgellm.models import get_model_module  # noqa: E402
 from edgellm.quantize.rtn import (
     QuantConfig,
     QuantizedWeight,
@@ -27,10 +32,6 @@ from edgellm.quantize.rtn import (
     quantize_rtn,
     quantize_values,
 )
-from torch import nn
-from torch.func import functional_call
-
-from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +43,6 @@ class ScaleGroup:
     prev: str  # a norm (weight /= s) or a linear (output rows and bias /= s)
     linears: list[str]  # weight columns *= s; paths relative to the decoder layer
     inspect: str | None = None  # module whose output measures the loss; None: the linears'
-
-
-_LLAMA_GROUPS = [
-    ScaleGroup("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-    # attention mixes v per channel, so v's rows can absorb 1/s when each o input is one v
-    # output (no GQA); checked at run time from the shapes
-    ScaleGroup("self_attn.v_proj", ["self_attn.o_proj"]),
-    ScaleGroup("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], inspect="mlp"),
-    ScaleGroup("mlp.up_proj", ["mlp.down_proj"]),
-]
-
-SCALE_GROUPS: dict[str, list[ScaleGroup]] = {
-    "llama": _LLAMA_GROUPS,
-    "mistral": _LLAMA_GROUPS,
-    "qwen2": _LLAMA_GROUPS,
-}
 
 
 def awq_quantize_layer(
@@ -100,11 +85,12 @@ def awq_quantize_layer(
 
 
 def _scale_groups(model_type: str) -> list[ScaleGroup]:
-    if model_type not in SCALE_GROUPS:
-        raise UnsupportedArchitectureError(
-            f"AWQ does not know the layers of {model_type!r} (supported: {', '.join(SCALE_GROUPS)})"
-        )
-    return SCALE_GROUPS[model_type]
+    """The architecture's scale groups, data in its models/ file."""
+    family = get_model_module(model_type)
+    return [
+        ScaleGroup(prev, list(linears), inspect)
+        for prev, linears, inspect in family.AWQ_SCALE_GROUPS
+    ]
 
 
 def _check_options(n_grid: int, clip_grid: int, max_shrink: float, sample_tokens: int | None):

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from edgellm.errors import InvalidParameterError
-from edgellm.texts import BUILTIN, text_documents
+from edgellm.loaders.texts import BUILTIN, text_documents
 
 CALIBRATION_SPLITS = {"sotu": "sotu-calib"}
 

@@ -25,17 +25,17 @@ import re
 from pathlib import Path
 
 import torch
-from edgellm.models.llama import ModelArgs
-from edgellm.quantize.pack import pack_int32
-from edgellm.quantize.rtn import QuantConfig, QuantizedWeight
+from safetensors.torch import save_file
 
-from edgellm.errors import InvalidParameterError, ModelFormatError, UnsupportedArchitectureError
+from edgellm.errors import InvalidParameterError
 from edgellm.fsutil import atomic_path
+from edgellm.models.llama import ModelArgs
+from edgellm.quantize.format import FORMAT, QuantConfig, pack_int32
+from edgellm.quantize.rtn import QuantizedWeight
 
 SHARD_BYTES = 2 * 2**30
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-FORMAT = "pack-quantized"
 PROVENANCE_KEY = "edgellm"  # our record inside quantization_config; other readers ignore it
 
 
@@ -163,7 +163,6 @@ class CheckpointWriter:
         self._pending_bytes += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
 
         save_file(
             self._pending, self.dir / _shard_tmp(len(self._shards)), metadata={"format": "pt"}
@@ -246,75 +245,3 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 # ---- reading ------------------------------------------------------------------------
-
-_STRATEGIES = {"group", "channel"}
-
-
-def read_quant_config(config: dict) -> QuantConfig | None:
-    """The QuantConfig of an HF config.json dict; None when it has no `quantization_config`.
-
-    Accepts compressed-tensors `pack-quantized` weight-only integer schemes (ours and
-    llm-compressor's W4A16/W8A16, group or channel, symmetric or not) and raises
-    UnsupportedArchitectureError for anything else (other methods, activation
-    quantization, act-order indices), ModelFormatError for a malformed config.
-    """
-    qc = config.get("quantization_config")
-    if qc is None:
-        return None
-    if not isinstance(qc, dict):
-        raise ModelFormatError("quantization_config is not a JSON object")
-    method = qc.get("quant_method")
-    if method != "compressed-tensors":
-        raise UnsupportedArchitectureError(
-            f"quantization method {method!r} is not supported: edgellm runs compressed-tensors "
-            "pack-quantized checkpoints (re-quantize with `edgellm quantize`)"
-        )
-    if qc.get("quantization_status", "compressed") != "compressed":
-        raise UnsupportedArchitectureError(
-            f"quantization_status {qc['quantization_status']!r}: only compressed checkpoints are supported"
-        )
-    if qc.get("kv_cache_scheme") or qc.get("sparsity_config") or qc.get("transform_config"):
-        raise UnsupportedArchitectureError(
-            "KV-cache quantization, sparsity and transforms are not supported"
-        )
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ModelFormatError("quantization_config has no config_groups")
-    found = {_group_quant_config(name, g, qc.get("format")) for name, g in groups.items()}
-    if len({(c.bits, c.symmetric) for c in found}) > 1:
-        raise UnsupportedArchitectureError(
-            f"mixed quantization schemes are not supported ({', '.join(map(str, found))})"
-        )
-    # groups differing only in group size are our per-layer fallback (QuantConfig.for_features):
-    # the largest is the scheme; each Linear derives its own from its input width
-    return max(found, key=lambda c: c.group_size)
-
-
-def _group_quant_config(name: str, group: dict, top_format: str | None) -> QuantConfig:
-    fmt = group.get("format") or top_format
-    if fmt != FORMAT:
-        raise UnsupportedArchitectureError(
-            f"compressed-tensors format {fmt!r} is not supported (only {FORMAT!r})"
-        )
-    if group.get("input_activations") or group.get("output_activations"):
-        raise UnsupportedArchitectureError(
-            f"config group {name}: activation quantization is not supported (weight-only only)"
-        )
-    w = group.get("weights")
-    if not isinstance(w, dict):
-        raise ModelFormatError(f"config group {name} has no weights scheme")
-    strategy = w.get("strategy")
-    problems = [
-        (w.get("type", "int") != "int", f"type {w.get('type')!r}"),
-        (strategy not in _STRATEGIES, f"strategy {strategy!r}"),
-        (bool(w.get("dynamic")), "dynamic quantization"),
-        (w.get("actorder") == "group", "act-order with group indices (g_idx)"),
-        (not 2 <= int(w.get("num_bits", 0)) <= 8, f"{w.get('num_bits')} bits"),
-    ]
-    bad = [what for cond, what in problems if cond]
-    if bad:
-        raise UnsupportedArchitectureError(f"config group {name}: {', '.join(bad)} not supported")
-    group_size = -1 if strategy == "channel" else w.get("group_size")
-    if not isinstance(group_size, int) or (strategy == "group" and group_size < 1):
-        raise ModelFormatError(f"config group {name}: bad group_size {w.get('group_size')!r}")
-    return QuantConfig(int(w["num_bits"]), group_size, bool(w.get("symmetric", True)))

@@ -15,25 +15,32 @@ stays at about one tensor; the file appears under its name only when complete.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from edgellm.quantize.pack import unpack_int32
+from rich.progress import Progress
 
-from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
+from edgellm.errors import InvalidParameterError
 from edgellm.fsutil import atomic_path
+from edgellm.loaders.gguf import gguf_name
+from edgellm.loaders.gguf_tokenizer import gguf_vocab
+from edgellm.loaders.model import load_model
+from edgellm.models import gguf_architecture
+from edgellm.models.llama import rope_inv_freq
+from edgellm.quantize.format import read_quant_config, unpack_int32
+from edgellm.quantize.rtn import QuantConfig, dequantize
 
 Q = gguf.GGMLQuantizationType
 EXPORT_TYPES = ("auto", "q4_0", "q4_1", "q8_0", "f16")
 EXPORT_VERSION = "1"  # bump when the writer's output changes: invalidates cached exports
 BLOCK = 32  # Q4_0, Q4_1 and Q8_0 all use blocks of 32 weights
 
-# our model_type -> (general.architecture, q/k rows permuted for llama.cpp's interleaved RoPE)
-ARCHITECTURES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
 FILE_TYPES = {
     Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
     Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
@@ -136,17 +143,14 @@ class GGUFExport:
     """Plans and writes the tensors of one loaded model (`edgellm.loaders.model.LoadedModel`)."""
 
     def __init__(self, loaded, out_type: str = "auto"):
-        from edgellm.quantize.checkpoint import read_quant_config
 
         if out_type not in EXPORT_TYPES:
             raise InvalidParameterError(
                 f"unknown GGUF type {out_type!r} (choose from {', '.join(EXPORT_TYPES)})"
             )
         args = loaded.args
-        if args.model_type not in ARCHITECTURES:
-            raise UnsupportedArchitectureError(f"cannot export {args.model_type!r} to GGUF")
         self.loaded, self.args, self.out_type = loaded, args, out_type
-        self.arch, self._permuted = ARCHITECTURES[args.model_type]
+        self.arch, self._permuted = gguf_architecture(args.model_type)
         self.qconfig = read_quant_config(loaded.config or {})
         self.src = loaded.weights
         self._names = set(self.src.names())
@@ -169,16 +173,15 @@ class GGUFExport:
 
     # ---- names -----------------------------------------------------------------------------
     def plan(self) -> list[TensorPlan]:
-        from edgellm.loaders.gguf import gguf_name
 
         plans = []
         modules = sorted(
             n.removesuffix(".weight_packed") for n in self._names if n.endswith(".weight_packed")
         )
         for m in modules:
-            plans.append(self._quantized(gguf_name(f"{m}.weight"), m))
+            plans.append(self._quantized(gguf_name(f"{m}.weight", self.args.model_type), m))
         for n in sorted(self._names):
-            gname = gguf_name(n)
+            gname = gguf_name(n, self.args.model_type)
             if gname is None or (n == "lm_head.weight" and self.args.tie_word_embeddings):
                 continue
             plans.append(self._dense(gname, n))
@@ -203,8 +206,6 @@ class GGUFExport:
         def produce() -> np.ndarray:
             q, scale, zero = self._codes(m, out, inp)
             if qtype == Q.F16:
-                from edgellm.quantize.rtn import QuantConfig, dequantize
-
                 groups = scale.shape[1]
                 w = dequantize(q, scale, zero, QuantConfig(self.qconfig.bits, inp // groups))
                 return w.to(torch.float16).numpy()
@@ -259,9 +260,6 @@ class GGUFExport:
 
     def _rope_freqs(self) -> TensorPlan | None:
         """llama3-style RoPE scaling: per-dimension divisors in `rope_freqs.weight`."""
-        from dataclasses import replace
-
-        from edgellm.models.llama import rope_inv_freq
 
         kind = (self.args.rope_scaling or {}).get("rope_type", "default")
         if kind in ("default", "linear"):
@@ -313,7 +311,6 @@ def write_tokenizer(w: gguf.GGUFWriter, loaded, n_vocab: int) -> None:
                 sub = field.types[1] if len(field.types) > 1 else None
                 w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
         return
-    from edgellm.loaders.gguf_tokenizer import gguf_vocab
 
     tok = loaded.tokenizer
     v = gguf_vocab(tok, n_vocab)
@@ -350,7 +347,6 @@ def export_gguf(
     progress: bool = False,
 ) -> Path:
     """Write MODEL (an edgellm INT4 checkpoint, an HF directory or a GGUF) as one GGUF file."""
-    from edgellm.loaders.model import load_model
 
     loaded = load_model(model)
     exp = GGUFExport(loaded, out_type)
@@ -381,8 +377,6 @@ def _add_info(w: gguf.GGUFWriter, p: TensorPlan) -> None:
 def cached_gguf(loaded) -> Path:
     """The GGUF export of an HF/edgellm directory, made once and reused: the cache key is
     the directory's path and its files' sizes and modification times."""
-    import hashlib
-    import os
 
     root = Path(os.environ.get("EDGELLM_CACHE", Path.home() / ".cache" / "edgellm")) / "gguf"
     files = sorted(f for f in Path(loaded.path).iterdir() if f.is_file())
@@ -396,7 +390,6 @@ def cached_gguf(loaded) -> Path:
 
 
 def _write_tensors(w: gguf.GGUFWriter, plans: list[TensorPlan], progress: bool) -> None:
-    from rich.progress import Progress
 
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task("exporting to GGUF", total=len(plans))

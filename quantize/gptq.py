@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, compute_qparams, quantize_values
 
 from edgellm.errors import EdgeLLMError, InvalidParameterError
+from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, compute_qparams, quantize_values
 
 log = logging.getLogger(__name__)
 

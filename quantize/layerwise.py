@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from edgellm.kernels.paged_attention import AttentionMetadata
-from edgellm.models import get_model_module
-from edgellm.models.llama import ModelArgs
 from torch import nn
 
+from edgellm.kernels.paged_attention import AttentionMetadata
 from edgellm.loaders.weights import WeightSource, layer_prefix
+from edgellm.models import get_model_module
+from edgellm.models.llama import ModelArgs
 
 
 def load_layer(args: ModelArgs, source: WeightSource, i: int) -> nn.Module:

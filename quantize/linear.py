@@ -13,6 +13,8 @@ import os
 from typing import ClassVar
 
 import torch
+from torch import nn
+
 from edgellm.kernels.int4_matmul import (
     Int4Weight,
     dequantize_matmul,
@@ -21,9 +23,8 @@ from edgellm.kernels.int4_matmul import (
     kernel_group,
     prepare_int4,
 )
-from edgellm.quantize.pack import unpack_int32
+from edgellm.quantize.format import unpack_int32
 from edgellm.quantize.rtn import QuantConfig
-from torch import nn
 
 
 class QuantLinear(nn.Module):

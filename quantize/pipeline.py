@@ -10,14 +10,35 @@ the calibration activations.
 
 from __future__ import annotations
 
+import json
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
-from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, quantize_rtn
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
 
 from edgellm.errors import InvalidParameterError
+from edgellm.fsutil import check_output
+from edgellm.loaders.model import load_model
+from edgellm.models import get_model_module
+from edgellm.quantize.awq import awq_quantize_layer
+from edgellm.quantize.calibration import calibration_tokens
+from edgellm.quantize.checkpoint import CheckpointWriter
+from edgellm.quantize.gptq import HessianAccumulator, gptq_quantize
+from edgellm.quantize.layerwise import LayerRunner, capture_inputs, embed, load_layer, set_weight
+from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, quantize_rtn
+from edgellm.version import __version__
 
 METHODS = ("rtn", "awq", "gptq")
 
@@ -91,7 +112,6 @@ def quantize_layer(
 ) -> tuple[dict[str, QuantizedWeight], torch.Tensor | None]:
     """Quantize every linear of one float layer; its weights become the dequantized ones.
     Returns the quantized weights and the next layer's calibration inputs."""
-    from edgellm.quantize.layerwise import set_weight
 
     if opts.method == "rtn":
         out = {}
@@ -108,8 +128,6 @@ def quantize_layer(
 
 
 def _awq(layer, runner, hidden, opts, model_type, stages):
-    from edgellm.quantize.awq import awq_quantize_layer
-    from edgellm.quantize.layerwise import capture_inputs
 
     names = [n for s in stages for n in s]
     kept: dict[str, list[torch.Tensor]] = {n: [] for n in names}
@@ -129,8 +147,6 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
 def _gptq(layer, runner, hidden, opts, stages) -> tuple[dict[str, QuantizedWeight], torch.Tensor]:
     """Stage by stage in one pass: each stage's Hessian comes from inputs computed with the
     already-quantized earlier stages. Returns the weights and the layer's output."""
-    from edgellm.quantize.gptq import HessianAccumulator, gptq_quantize
-    from edgellm.quantize.layerwise import set_weight
 
     out: dict[str, QuantizedWeight] = {}
 
@@ -156,15 +172,13 @@ def quantize(
     eval_text: str | None = None,
     eval_tokens: int = 16384,
     progress: bool = True,
+    measure_ppl: Callable[[str, str, int], float] | None = None,
 ) -> QuantizeReport:
-    """Quantize `model` (GGUF file, HF directory, short name) into a checkpoint at `out_dir`."""
-    from pathlib import Path
+    """Quantize `model` (GGUF file, HF directory, short name) into a checkpoint at `out_dir`.
 
-    from edgellm.quantize.checkpoint import CheckpointWriter
-    from edgellm.quantize.layerwise import LayerRunner, embed, load_layer
-
-    from edgellm.fsutil import check_output
-    from edgellm.loaders.model import load_model
+    With `eval_text`, `measure_ppl(model, text, n_tokens)` scores the source and the
+    checkpoint and the result is recorded in its config (the caller runs the models:
+    quantization sits below the engine)."""
 
     opts = options or QuantizeOptions()
     t0 = time.perf_counter()
@@ -175,8 +189,6 @@ def quantize(
     stages = _stages(args)
     hidden = runner = None
     if opts.needs_calibration:
-        from edgellm.quantize.calibration import calibration_tokens
-
         toks = calibration_tokens(
             loaded.tokenizer,
             opts.calib,
@@ -205,18 +217,18 @@ def quantize(
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()
     if eval_text:
-        _evaluate(report, model, out_dir, eval_text, eval_tokens)
+        if measure_ppl is None:
+            raise InvalidParameterError("eval_text needs a measure_ppl function")
+        _evaluate(report, model, out_dir, eval_text, eval_tokens, measure_ppl)
     return report
 
 
 def _stages(args) -> list[list[str]]:
-    from edgellm.models import get_model_module
 
     return get_model_module(args.model_type).QUANT_STAGES
 
 
 def _provenance(loaded, opts: QuantizeOptions) -> dict:
-    import edgellm
 
     prov = {
         "method": opts.method,
@@ -224,7 +236,7 @@ def _provenance(loaded, opts: QuantizeOptions) -> dict:
         "group_size": opts.group_size,
         "symmetric": opts.symmetric,
         "source": str(loaded.path),
-        "edgellm_version": edgellm.__version__,
+        "edgellm_version": __version__,
     }
     if opts.needs_calibration:
         prov["calibration"] = {
@@ -275,13 +287,6 @@ class _bar:
     def __enter__(self):
         if not self.enabled:
             return lambda: None
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
 
         self.progress = Progress(
             TextColumn(f"quantize ({self.what})"),
@@ -299,10 +304,15 @@ class _bar:
             self.progress.__exit__(*exc)
 
 
-def _evaluate(report: QuantizeReport, model, out_dir: str, text: str, n_tokens: int) -> None:
+def _evaluate(
+    report: QuantizeReport,
+    model,
+    out_dir: str,
+    text: str,
+    n_tokens: int,
+    measure_ppl: Callable[[str, str, int], float],
+) -> None:
     """Perplexity of the float source and of the checkpoint; recorded in config.json."""
-    import json
-    from pathlib import Path
 
     report.ppl_before = measure_ppl(model, text, n_tokens)
     report.ppl_after = measure_ppl(out_dir, text, n_tokens)
@@ -320,19 +330,7 @@ def _evaluate(report: QuantizeReport, model, out_dir: str, text: str, n_tokens: 
     tmp.rename(cfg_file)
 
 
-def measure_ppl(model, text: str, n_tokens: int, ctx: int = 512) -> float:
-    from edgellm.evaluate import perplexity
-    from edgellm.llm import LLM
-    from edgellm.texts import load_text
-
-    llm = LLM(model, max_num_batched_tokens=ctx, enable_prefix_caching=False)
-    tokens = llm.tokenizer.encode(load_text(text), add_special_tokens=False)[:n_tokens]
-    return perplexity(llm.score, tokens, ctx, progress=True).ppl
-
-
 def print_report(r: QuantizeReport) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     t = Table(title=f"wrote {r.out_dir}", show_header=False, title_justify="left")
     o = r.options

@@ -16,57 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edgellm.errors import InvalidParameterError
-
-
-@dataclass(frozen=True, slots=True)
-class QuantConfig:
-    bits: int = 4
-    group_size: int = 128  # -1: per-channel
-    symmetric: bool = True
-
-    def __post_init__(self):
-        if not 2 <= self.bits <= 8:
-            raise InvalidParameterError(f"bits must be in 2..8, got {self.bits}")
-        if self.group_size != -1 and self.group_size < 1:
-            raise InvalidParameterError(
-                f"group size must be positive or -1 (per-channel), got {self.group_size}"
-            )
-
-    @property
-    def qmin(self) -> int:
-        return -(1 << (self.bits - 1))
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.bits - 1)) - 1
-
-    def groups(self, in_features: int) -> int:
-        """Number of groups per row; raises when the group size does not divide the row."""
-        g = in_features if self.group_size == -1 else self.group_size
-        if in_features % g:
-            raise InvalidParameterError(
-                f"group size {g} does not divide the {in_features} input features of a layer"
-            )
-        return in_features // g
-
-    def for_features(self, in_features: int) -> QuantConfig:
-        """The config a layer with `in_features` inputs uses: this one when the group size
-        divides it, else the largest smaller power of two >= 32 that does (so GGUF blocks
-        and MLX groups stay exact), e.g. 64 for SmolLM2's 576-wide layers at 128."""
-        g = self.group_size
-        if g == -1 or in_features % g == 0:
-            return self
-        for cand in (256, 128, 64, 32):
-            if cand < g and in_features % cand == 0:
-                return QuantConfig(self.bits, cand, self.symmetric)
-        raise InvalidParameterError(
-            f"group size {g} does not divide the {in_features} input features of a layer, "
-            "and no smaller power of two >= 32 does; use --group-size -1 (per-channel)"
-        )
-
-    def group_len(self, in_features: int) -> int:
-        return in_features // self.groups(in_features)
+from edgellm.quantize.format import QuantConfig
 
 
 @dataclass(slots=True)

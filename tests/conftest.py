@@ -46,10 +46,10 @@ def tiny_hf_model(model_type: str = "llama", tie: bool = False, seed: int = 0, *
 
 def ours_from_hf(hf, config: dict, dtype=torch.float32):
     """Our model built from the same weights as a transformers model."""
-    from edgellm.models.llama import ModelArgs
-
-    from edgellm.loaders.model import LoadedModel, build_model
+    from edgellm.loaders.model import LoadedModel
     from edgellm.loaders.weights import DictSource
+    from edgellm.models.llama import ModelArgs
+    from edgellm.quantize.build import build_model
 
     args = ModelArgs.from_hf_config(config)
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -69,7 +69,7 @@ def byte_tokenizer(eos_id: int | None = None):
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
-    from edgellm.tokenizer import SpecialTokens, Tokenizer
+    from edgellm.loaders.tokenizer import SpecialTokens, Tokenizer
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_to_char = {b: c for b, c in enumerate(sorted(alphabet, key=_byte_of))}
@@ -88,7 +88,7 @@ def bpe_tokenizer(
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
-    from edgellm.tokenizer import SpecialTokens, Tokenizer
+    from edgellm.loaders.tokenizer import SpecialTokens, Tokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
     vocab = {c: i for i, c in enumerate(alphabet)}
@@ -132,13 +132,13 @@ def tiny_engine(
 ):
     """An Engine over a tiny random model (vocab 256) with a byte tokenizer."""
     from edgellm.backends.torch import TorchBackend
-
-    from edgellm.engine import Engine, EngineConfig
+    from edgellm.config import EngineConfig
+    from edgellm.engine.engine import Engine
 
     hf, config = tiny_hf_model(model_type, seed=seed)
     model = ours_from_hf(hf, config)
     config = EngineConfig(**{"kv_cache_mb": kv_cache_mb, **cfg})
-    backend = TorchBackend(model, config.kv_cache_mb, config.block_size, config.max_model_len)
+    backend = TorchBackend(model, config)
     return Engine(backend, byte_tokenizer(eos_id), config)
 
 

@@ -2,9 +2,9 @@
 
 import asyncio
 
-from edgellm.async_engine import AsyncEngine
-from edgellm.outputs import RequestOutput
-from edgellm.sampling_params import SamplingParams
+from edgellm.engine.outputs import RequestOutput
+from edgellm.entrypoints.async_engine import AsyncEngine
+from edgellm.sampling.params import SamplingParams
 from tests.conftest import run_all, tiny_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20)

@@ -6,18 +6,18 @@ from functools import partial
 
 import pytest
 import torch
+from torch import nn
+
+from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
 from edgellm.quantize.awq import (
-    SCALE_GROUPS,
     _loss_fn,
+    _scale_groups,
     awq_quantize_layer,
     fake_quantize,
     group_output_error,
     search_clip,
 )
 from edgellm.quantize.rtn import QuantConfig, quantize_rtn
-from torch import nn
-
-from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
 from tests.conftest import ours_from_hf, tiny_hf_model
 
 N_TOKENS = 256
@@ -222,8 +222,8 @@ def test_bad_calls_are_rejected_before_any_change(keep, config, match):
 
 def test_scale_groups_name_real_modules():
     layer = tiny_layer("qwen2")
-    assert SCALE_GROUPS["llama"] is SCALE_GROUPS["mistral"] is SCALE_GROUPS["qwen2"]
-    for group in SCALE_GROUPS["qwen2"]:
+    assert _scale_groups("llama") == _scale_groups("mistral") == _scale_groups("qwen2")
+    for group in _scale_groups("qwen2"):
         for name in [group.prev, *group.linears, *([group.inspect] if group.inspect else [])]:
             layer.get_submodule(name)
 
@@ -241,7 +241,7 @@ def test_group_error_from_gram_matches_token_outputs():
 
 def test_scale_loss_from_gram_matches_output_mse():
     layer = tiny_layer("llama")
-    group = SCALE_GROUPS["llama"][0]
+    group = _scale_groups("llama")[0]
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     ws = [layer.get_submodule(n).weight.detach() for n in group.linears]
     cands = [fake_quantize(w, QuantConfig(bits=3, group_size=16)) for w in ws]

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from edgellm.quantize.calibration import calibration_documents, calibration_tokens
 
 from edgellm.errors import InvalidParameterError
-from edgellm.texts import text_documents
+from edgellm.loaders.texts import text_documents
+from edgellm.quantize.calibration import calibration_documents, calibration_tokens
 from tests.conftest import byte_tokenizer
 
 

@@ -24,7 +24,7 @@ def repl():
         dimensions=(40, 200),
     )
     # --backend auto (the default) picks llama.cpp on a CPU where it is installed
-    from edgellm.llm import resolve_backend
+    from edgellm.backends.registry import resolve_backend
 
     child.expect(f"backend {resolve_backend('auto')}")
     child.expect("> ")
@@ -81,3 +81,25 @@ def test_chat_repl(repl, tmp_path):
     repl.expect(pexpect.EOF)
     repl.wait()
     assert repl.exitstatus == 0
+
+
+@pytest.mark.slow
+def test_chat_speculative_shows_the_acceptance_rate():
+    child = pexpect.spawn(
+        EDGELLM,
+        ["chat", "--temperature", "0", "--max-tokens", "64", "--speculative", "ngram"],
+        encoding="utf-8",
+        timeout=180,
+        dimensions=(40, 200),
+    )
+    try:
+        child.expect("> ")
+        text = "the cat sat on the mat and the dog sat on the log"
+        child.sendline(f"Repeat this sentence three times: {text}")
+        # the status line carries the acceptance of what the n-gram proposer drafted
+        child.expect(STATUS + r" · acceptance \d+% of [1-9]\d* drafted")
+        child.expect("> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)

@@ -7,14 +7,15 @@ import json
 
 import pytest
 import torch
-from edgellm.models.llama import ModelArgs
-from edgellm.quantize.checkpoint import CheckpointWriter, quantized_tensors, read_quant_config
-from edgellm.quantize.linear import QuantLinear
-from edgellm.quantize.pack import pack_int32, unpack_int32
-from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, dequantize, quantize_rtn
 
 from edgellm.errors import ModelFormatError, OutputExistsError, UnsupportedArchitectureError
-from edgellm.loaders.model import build_model, load_model
+from edgellm.loaders.model import load_model
+from edgellm.models.llama import ModelArgs
+from edgellm.quantize.build import build_model
+from edgellm.quantize.checkpoint import CheckpointWriter, quantized_tensors
+from edgellm.quantize.format import pack_int32, read_quant_config, unpack_int32
+from edgellm.quantize.linear import QuantLinear
+from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, dequantize, quantize_rtn
 from tests.conftest import byte_tokenizer, ours_from_hf, tiny_hf_model
 from tests.test_model import run_prefill
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from edgellm import cli
+from edgellm.entrypoints import cli
 
 
 def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from edgellm.errors import ContextLengthError, InvalidParameterError
-from edgellm.sampling_params import SamplingParams
+from edgellm.sampling.params import SamplingParams
 from tests.conftest import run_all, tiny_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -165,7 +165,7 @@ def test_prefix_cache_hit_gives_same_logits():
 
 
 def test_closing_a_stream_early_aborts_and_keeps_the_partial_output():
-    from edgellm.llm import LLM
+    from edgellm.entrypoints.llm import LLM
 
     llm = LLM.__new__(LLM)  # the engine part of LLM, on a tiny model
     llm.engine = tiny_engine(block_size=4)

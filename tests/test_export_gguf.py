@@ -7,12 +7,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from edgellm.quantize.export_gguf import exact_type, export_gguf, int_blocks, permute_qk
-from edgellm.quantize.rtn import QuantConfig, dequantize, quantize_rtn
 
+from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
 from edgellm.loaders.gguf import unpermute_qk
-from edgellm.loaders.model import build_model, load_model
+from edgellm.loaders.model import load_model
+from edgellm.quantize.build import build_model
+from edgellm.quantize.export_gguf import exact_type, export_gguf, int_blocks, permute_qk
+from edgellm.quantize.rtn import QuantConfig, dequantize, quantize_rtn
 from tests.conftest import bpe_tokenizer, tiny_hf_model
 from tests.test_checkpoint import write_checkpoint
 
@@ -122,18 +124,17 @@ def test_exported_tensors_equal_checkpoint_weights(exported):
 def test_llamacpp_logits_match_torch(exported):
     from edgellm.backends.llamacpp import LlamaCppBackend
     from edgellm.backends.torch import TorchBackend
-
-    from edgellm.sampling_params import SamplingParams
-    from edgellm.scheduler import ScheduledSeq
-    from edgellm.sequence import Sequence
+    from edgellm.engine.scheduler import ScheduledSeq
+    from edgellm.engine.sequence import Sequence
+    from edgellm.sampling.params import SamplingParams
 
     ckpt, path, _ = exported
     loaded = load_model(ckpt)
     ids = [3, 17, 101, 44, 250, 9, 77, 128, 5, 60, 61, 62]
     rows = {}
     backends = {
-        "torch": TorchBackend(build_model(loaded), kv_cache_mb=1, block_size=4),
-        "llamacpp": LlamaCppBackend(path, loaded.args, kv_cache_mb=1, block_size=4),
+        "torch": TorchBackend(build_model(loaded), EngineConfig(kv_cache_mb=1, block_size=4)),
+        "llamacpp": LlamaCppBackend(path, loaded.args, EngineConfig(kv_cache_mb=1, block_size=4)),
     }
     for name, backend in backends.items():
         seq = Sequence("r", list(ids), SamplingParams())

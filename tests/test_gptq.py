@@ -6,12 +6,12 @@ import logging
 
 import pytest
 import torch
-from edgellm.quantize.gptq import GPTQError, HessianAccumulator, gptq_quantize, output_error
-from edgellm.quantize.rtn import QuantConfig, compute_qparams, quantize_rtn, quantize_values
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgellm.errors import InvalidParameterError
+from edgellm.quantize.gptq import GPTQError, HessianAccumulator, gptq_quantize, output_error
+from edgellm.quantize.rtn import QuantConfig, compute_qparams, quantize_rtn, quantize_values
 
 CONFIGS = [
     QuantConfig(4, 32, True),

@@ -3,9 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgellm.kv_cache import BlockManager
-from edgellm.sampling_params import SamplingParams
-from edgellm.sequence import Sequence
+from edgellm.engine.block_manager import BlockManager
+from edgellm.engine.sequence import Sequence
+from edgellm.sampling.params import SamplingParams
 
 BS = 4
 OPS = st.lists(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgellm.sampling_params import SamplingParams
+from edgellm.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    from edgellm.llm import LLM
+    from edgellm.entrypoints.llm import LLM
 
     return LLM(str(smollm2_path), backend="llamacpp", kv_cache_mb=64, threads=2)
 
@@ -61,8 +61,8 @@ NEAR_TIE = 0.5  # logits of ~20: a 2.5% wobble; mixing sequences up would part t
 
 
 def next_logits(llm, ids: list[int]):
-    from edgellm.scheduler import ScheduledSeq
-    from edgellm.sequence import Sequence
+    from edgellm.engine.scheduler import ScheduledSeq
+    from edgellm.engine.sequence import Sequence
 
     engine = llm.engine
     seq = Sequence("probe", list(ids), greedy())
@@ -151,7 +151,7 @@ def test_forks_share_cells(llm, reference):
 
 
 def test_preemption_and_aborts_leave_no_cells(smollm2_path, reference):
-    from edgellm.llm import LLM
+    from edgellm.entrypoints.llm import LLM
 
     # a pool of ~20 blocks of 16 tokens for 4 sequences of ~70 tokens: preemption guaranteed
     small = LLM(str(smollm2_path), backend="llamacpp", kv_cache_mb=1.2, threads=2)
@@ -175,8 +175,8 @@ def test_preemption_and_aborts_leave_no_cells(smollm2_path, reference):
 
 def test_truncate_then_recompute(llm, reference):
     """Speculative rollback: drop the last tokens' cells, recompute them, same logits."""
-    from edgellm.scheduler import ScheduledSeq
-    from edgellm.sequence import Sequence
+    from edgellm.engine.scheduler import ScheduledSeq
+    from edgellm.engine.sequence import Sequence
 
     engine = llm.engine
     ids, want = next(iter(reference.values()))

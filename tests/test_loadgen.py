@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from edgellm import loadgen
-from edgellm.async_engine import AsyncEngine
-from edgellm.serve import ServerThread, build_app
+from edgellm.entrypoints.async_engine import AsyncEngine
+from edgellm.entrypoints.serve import ServerThread, build_app
+from edgellm.eval import loadgen
 from tests.conftest import byte_tokenizer, tiny_engine
 
 

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from edgellm.backends.torch import TorchBackend
 
-from edgellm.sampling_params import SamplingParams
-from edgellm.scheduler import ScheduledSeq
-from edgellm.sequence import Sequence
+from edgellm.backends.torch import TorchBackend
+from edgellm.config import EngineConfig
+from edgellm.engine.scheduler import ScheduledSeq
+from edgellm.engine.sequence import Sequence
+from edgellm.sampling.params import SamplingParams
 from tests.conftest import ours_from_hf, tiny_hf_model
 
 CASES = [
@@ -37,7 +38,7 @@ def run_prefill(
     model, token_ids: list[int], block_size: int = 16, chunk: int | None = None
 ) -> torch.Tensor:
     """All-position logits of one sequence through the paged backend, optionally chunked."""
-    backend = TorchBackend(model, kv_cache_mb=4, block_size=block_size)
+    backend = TorchBackend(model, EngineConfig(kv_cache_mb=4, block_size=block_size))
     seq = Sequence("t", list(token_ids), SamplingParams())
     n_blocks = -(-len(token_ids) // block_size)
     seq.block_table = list(range(n_blocks))[::-1]  # deliberately non-contiguous
@@ -77,7 +78,7 @@ def test_mixed_prefill_and_decode_batch_equals_separate():
     """A step holding prefill chunks and decodes gives each row the logits it gets alone."""
     hf, cfg = tiny_hf_model("llama")
     ours = ours_from_hf(hf, cfg)
-    backend = TorchBackend(ours, kv_cache_mb=4, block_size=4)
+    backend = TorchBackend(ours, EngineConfig(kv_cache_mb=4, block_size=4))
     seqs = [Sequence(str(i), list(range(1 + i, 14 + 3 * i)), SamplingParams()) for i in range(4)]
     next_block = 0
     for s in seqs:

@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from edgellm.quantize import QuantizeOptions, quantize
-from edgellm.quantize.checkpoint import read_quant_config
 
 from edgellm import SamplingParams
 from edgellm.errors import InvalidParameterError, OutputExistsError
+from edgellm.quantize import QuantizeOptions, quantize
+from edgellm.quantize.format import read_quant_config
 from tests.conftest import byte_tokenizer, tiny_hf_model
 
 FAST = dict(calib="shakespeare", n_samples=4, seq_len=64)
@@ -27,9 +27,9 @@ def tiny_dir(tmp_path_factory):
 
 
 def float_and_quant_logits(src, out, ids):
-    from edgellm.llm import LLM
+    from edgellm.entrypoints.llm import LLM
 
-    ref, q = LLM(str(src)), LLM(str(out))
+    ref, q = LLM(str(src), backend="torch"), LLM(str(out), backend="torch")
     return ref.score(ids), q.score(ids), q
 
 
@@ -56,17 +56,18 @@ def test_every_method_writes_a_loadable_checkpoint(tiny_dir, tmp_path, method, s
 
 def test_quantized_checkpoint_equals_its_dequantized_weights(tiny_dir, tmp_path):
     """The torch backend runs INT4 natively; its reference twin is dequantize-then-matmul."""
+    from edgellm.entrypoints.llm import measure_ppl
     from edgellm.quantize.linear import QuantLinear
 
     out = tmp_path / "q"
     report = quantize(str(tiny_dir), str(out), QuantizeOptions(method="gptq", **FAST), progress=False,
-                      eval_text="shakespeare", eval_tokens=600)  # fmt: skip
+                      eval_text="shakespeare", eval_tokens=600, measure_ppl=measure_ppl)  # fmt: skip
     prov = json.loads((out / "config.json").read_text())["quantization_config"]["edgellm"]
     assert prov["perplexity"]["before"] == report.ppl_before > 1
     assert prov["perplexity"]["after"] == report.ppl_after > 1
-    from edgellm.llm import LLM
+    from edgellm.entrypoints.llm import LLM
 
-    llm = LLM(str(out))
+    llm = LLM(str(out), backend="torch")
     ids = list(range(3, 40))
     fast = llm.score(ids)
     QuantLinear.use_fast = False
@@ -137,16 +138,16 @@ def test_cli_quantize(tiny_dir, tmp_path, capsys, monkeypatch):
 def test_smollm2_checkpoint_loads_in_transformers_with_identical_logits(tmp_path, monkeypatch):
     """Real model, mixed group sizes (576-wide layers fall back to 64): transformers reads
     our checkpoint and computes the logits of our dequantized reference path."""
-    from edgellm.quantize.linear import QuantLinear
     from transformers import AutoModelForCausalLM
 
-    from edgellm.llm import LLM
+    from edgellm.entrypoints.llm import LLM
+    from edgellm.quantize.linear import QuantLinear
 
     out = tmp_path / "smol-rtn"
     quantize(None, str(out), QuantizeOptions(method="rtn", group_size=128), progress=False)
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert {g["weights"]["group_size"] for g in cfg["config_groups"].values()} == {64, 128}
-    llm = LLM(str(out))
+    llm = LLM(str(out), backend="torch")
     ids = llm.tokenizer.encode(
         "The State of the Union is strong, and the economy", add_special_tokens=False
     )

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from edgellm.quantize.rtn import QuantConfig, dequantize, quantize_rtn
 
 from edgellm.errors import InvalidParameterError
+from edgellm.quantize.rtn import QuantConfig, dequantize, quantize_rtn
 
 W = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
 

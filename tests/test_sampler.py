@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from edgellm.errors import InvalidParameterError
-from edgellm.sampler import filter_logits, make_generator, process_logits, sample_token
-from edgellm.sampling_params import SamplingParams
+from edgellm.sampling.params import SamplingParams
+from edgellm.sampling.sampler import filter_logits, make_generator, process_logits, sample_token
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 

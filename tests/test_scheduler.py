@@ -1,13 +1,15 @@
 """Scheduler policy with the real block manager: admission, chunking, preemption, fairness."""
 
-from edgellm.kv_cache import BlockManager
-from edgellm.sampling_params import SamplingParams
-from edgellm.scheduler import Scheduler, SchedulerConfig
-from edgellm.sequence import Sequence
+from edgellm.config import EngineConfig
+from edgellm.engine.block_manager import BlockManager
+from edgellm.engine.scheduler import Scheduler
+from edgellm.engine.sequence import Sequence
+from edgellm.sampling.params import SamplingParams
 
 
-def make(num_blocks=16, block_size=4, budget=64, max_seqs=8) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_seqs, budget, 1024), BlockManager(num_blocks, block_size))
+def make(num_blocks=16, block_size=4, budget=64, max_seqs=8, lookahead=None) -> Scheduler:
+    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    return Scheduler(config, BlockManager(num_blocks, block_size), 1024, lookahead)
 
 
 def advance(sched: Scheduler, max_new: int = 4) -> list:
@@ -17,8 +19,7 @@ def advance(sched: Scheduler, max_new: int = 4) -> list:
     for item in out.scheduled:
         seq = item.seq
         wants = item.wants_logits
-        seq.num_computed_tokens += item.num_tokens
-        sched.block_manager.register_computed(seq)
+        sched.block_manager.commit(seq, item.start + item.num_new)
         if wants:
             seq.token_ids.append(7)
             if len(seq.output_ids) >= max_new:

@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from edgellm.async_engine import AsyncEngine
-from edgellm.sampling_params import SamplingParams
-from edgellm.serve import ServerThread, build_app
+from edgellm.entrypoints.async_engine import AsyncEngine
+from edgellm.entrypoints.serve import ServerThread, build_app
+from edgellm.sampling.params import SamplingParams
 from tests.conftest import run_all, tiny_engine
 
 MODEL = "tiny"
@@ -298,9 +298,9 @@ def test_metrics_are_prometheus_text(server):
 # ---- the real model ----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_chat_equals_llm_chat():
-    from edgellm.llm import LLM
+    from edgellm.entrypoints.llm import LLM
 
-    llm = LLM("smollm2-135m", kv_cache_mb=64)
+    llm = LLM("smollm2-135m", backend="torch", kv_cache_mb=64)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24))[0]
     aeng = AsyncEngine(llm.engine)

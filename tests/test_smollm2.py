@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from edgellm.evaluate import perplexity, windows
-from edgellm.sampling_params import SamplingParams
-from edgellm.texts import load_text
+from edgellm.eval.perplexity import perplexity, windows
+from edgellm.loaders.texts import load_text
+from edgellm.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ PROMPTS = [
 def llm():
     from edgellm import LLM
 
-    return LLM(max_num_batched_tokens=512)
+    return LLM(backend="torch", max_num_batched_tokens=512)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_perplexity_agrees_with_llama_cpp(llm, smollm2_path):
 def test_convert_loads_in_transformers_with_identical_logits(tmp_path, llm):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from edgellm.convert import convert_to_hf
+    from edgellm.quantize.export_hf import convert_to_hf
 
     out = convert_to_hf(None, tmp_path / "smol", dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()

@@ -9,22 +9,19 @@ import inspect
 import pytest
 import torch
 
-from edgellm.engine import Engine, EngineConfig
+from edgellm.backends.llamacpp import LlamaCppBackend
+from edgellm.backends.torch import TorchBackend
+from edgellm.config import EngineConfig, SpeculativeConfig
+from edgellm.engine.engine import Engine
+from edgellm.engine.speculator import Proposal
 from edgellm.errors import InvalidParameterError
-from edgellm.llm import torch_backend
-from edgellm.sampler import process_logits
-from edgellm.sampling_params import SamplingParams
-from edgellm.spec_engine import SpeculativeEngine
-from edgellm.speculative import (
-    Controller,
-    DraftProposer,
-    NgramProposer,
-    Proposal,
-    SpeculativeConfig,
-    choose_k,
-    expected_tokens,
-    verify,
-)
+from edgellm.quantize.export_gguf import export_gguf
+from edgellm.sampling.params import SamplingParams
+from edgellm.sampling.sampler import process_logits
+from edgellm.spec.acceptance import verify
+from edgellm.spec.controller import Controller, choose_k, expected_tokens
+from edgellm.spec.decoder import SpeculativeDecoder
+from edgellm.spec.proposers import DraftProposer, NgramProposer
 from tests.conftest import bpe_tokenizer, ours_from_hf, run_all, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -53,29 +50,17 @@ def llamacpp_backend(model, config: EngineConfig):
     import tempfile
     from pathlib import Path
 
-    from edgellm.backends.llamacpp import LlamaCppBackend
-    from edgellm.quantize.export_gguf import export_gguf
-
     hf, _ = model.hf_source
     if id(hf) not in _GGUF:
         root = Path(tempfile.mkdtemp(prefix="edgellm-spec-"))
         hf.save_pretrained(root / "hf")
         bpe_tokenizer().save_pretrained(root / "hf")
         _GGUF[id(hf)] = (hf, export_gguf(root / "hf", root / "model.gguf", "f16"))
-    return LlamaCppBackend(
-        _GGUF[id(hf)][1],
-        model.args,
-        config.kv_cache_mb,
-        config.block_size,
-        config.max_model_len,
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
-        threads=2,
-    )
+    return LlamaCppBackend(_GGUF[id(hf)][1], model.args, config.replace(threads=2))
 
 
-# a backend that implements num_logits and truncate is one line here
-BACKENDS = {"torch": torch_backend, "llamacpp": llamacpp_backend}
+# every backend of the registry is one line here
+BACKENDS = {"torch": TorchBackend, "llamacpp": llamacpp_backend}
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -110,7 +95,7 @@ def plain_engine(make_backend, target, eos_id=None, **cfg) -> Engine:
 
 def spec_engine(
     make_backend, target, draft=None, k=4, adaptive=False, eos_id=None, ngram_min=2, **cfg
-) -> SpeculativeEngine:
+) -> Engine:
     config = EngineConfig(**{"kv_cache_mb": 2.0, **cfg})
     method = "draft" if draft is not None else "ngram"
     spec = SpeculativeConfig(
@@ -120,9 +105,8 @@ def spec_engine(
         proposer = DraftProposer(make_backend(draft, config))
     else:
         proposer = NgramProposer(spec.ngram_max, spec.ngram_min)
-    return SpeculativeEngine(
-        make_backend(target, config), bpe_tokenizer(eos_id=eos_id), config, spec, proposer
-    )
+    speculator = SpeculativeDecoder(spec, proposer)
+    return Engine(make_backend(target, config), bpe_tokenizer(eos_id=eos_id), config, speculator)
 
 
 def prompts(n: int, seed: int = 0, repeat: bool = False) -> list[list[int]]:
@@ -138,26 +122,26 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def run_checked(engine: SpeculativeEngine, ps, params) -> list:
+def run_checked(engine: Engine, ps, params) -> list:
     """run_all, also checking the draft's block invariants every step."""
     ids = [engine.add_request(p, params) for p in ps]
     while engine.has_unfinished():
         engine.step()
         live = [s for r in engine.requests.values() for s in r.seqs if s.block_table]
         engine.block_manager.check_invariants(live)
-        if isinstance(engine.proposer, DraftProposer):
-            mirrors = list(engine.proposer.mirrors.values())
-            engine.proposer.block_manager.check_invariants(mirrors)
+        if isinstance(engine.speculator.proposer, DraftProposer):
+            mirrors = list(engine.speculator.proposer.mirrors.values())
+            engine.speculator.proposer.block_manager.check_invariants(mirrors)
     return [engine.pop_output(i) for i in ids]
 
 
-def assert_no_leak(engine: SpeculativeEngine) -> None:
+def assert_no_leak(engine: Engine) -> None:
     bm = engine.block_manager
     bm.check_invariants([])
     assert bm.num_free == bm.num_blocks
-    if isinstance(engine.proposer, DraftProposer):
-        assert not engine.proposer.mirrors
-        dbm = engine.proposer.block_manager
+    if isinstance(engine.speculator.proposer, DraftProposer):
+        assert not engine.speculator.proposer.mirrors
+        dbm = engine.speculator.proposer.block_manager
         dbm.check_invariants([])
         assert dbm.num_free == dbm.num_blocks
 
@@ -171,8 +155,8 @@ def test_greedy_identical_with_and_without_speculation(make_backend, method):
     eng = spec_engine(make_backend, target, draft if method == "draft" else None, block_size=4)
     outs = run_checked(eng, ps, GREEDY)
     assert tokens(outs) == ref
-    assert sum(o.metrics["spec_accepted"] for o in outs) > 0  # speculation really ran
-    assert sum(o.metrics["spec_accepted"] < o.metrics["spec_proposed"] for o in outs) > 0
+    assert sum(o.metrics.spec.accepted for o in outs) > 0  # speculation really ran
+    assert sum(o.metrics.spec.accepted < o.metrics.spec.proposed for o in outs) > 0
     assert_no_leak(eng)
 
 
@@ -195,7 +179,7 @@ def test_batched_speculation_equals_alone(make_backend):
     eng = spec_engine(make_backend, target, draft, block_size=4)
     outs = run_checked(eng, ps, GREEDY)
     assert tokens(outs) == alone
-    rates = {round(o.metrics["spec_acceptance_rate"], 2) for o in outs}
+    rates = {round(o.metrics.spec.acceptance_rate, 2) for o in outs}
     assert len(rates) > 1  # the batch mixes sequences with different acceptance
     assert_no_leak(eng)
 
@@ -313,7 +297,7 @@ def test_sampled_tokens_follow_the_target_distribution(make_backend, method):
     while eng.has_unfinished():
         eng.step()
     outs = [eng.pop_output(i) for i in ids]
-    assert sum(o.metrics["spec_proposed"] for o in outs) > n // 2  # most were speculative
+    assert sum(o.metrics.spec.proposed for o in outs) > n // 2  # most were speculative
     second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
     observed = torch.bincount(second, minlength=expected.numel()).float()
     assert chi_square_pvalue(observed, expected * n) > 1e-3
@@ -347,7 +331,7 @@ def _fields(params: SamplingParams) -> dict:
 
 # ---- adaptation ------------------------------------------------------------------------------------
 def test_controller_picks_k_by_measured_cost():
-    from edgellm.sequence import Sequence
+    from edgellm.engine.sequence import Sequence
 
     ctl = Controller(SpeculativeConfig("draft", 6, "memory"))
     seq = Sequence("r", [1, 2, 3], SamplingParams())
@@ -368,7 +352,7 @@ def test_controller_picks_k_by_measured_cost():
 
 @pytest.mark.parametrize("costly_start", [False, True])
 def test_a_draft_model_starts_only_where_it_pays(costly_start):
-    from edgellm.sequence import Sequence
+    from edgellm.engine.sequence import Sequence
 
     ctl = Controller(SpeculativeConfig("draft", 4, "memory"), costly_start=costly_start)
     first, second = (Sequence("r", [1, 2, 3], SamplingParams()) for _ in range(2))
@@ -393,7 +377,7 @@ def test_choose_k_grows_with_acceptance():
 
 
 def test_controller_switches_off_when_speculation_costs_more():
-    from edgellm.sequence import Sequence
+    from edgellm.engine.sequence import Sequence
 
     ctl = Controller(SpeculativeConfig("ngram", 4, probe_every=5))
     seq = Sequence("r", [1, 2, 3], SamplingParams())
@@ -450,7 +434,7 @@ def test_smollm2_speculation_gives_the_same_greedy_text(smollm2_path, method, ba
     spec = LLM(str(smollm2_path), backend=backend, speculative=method, draft_model=draft)
     spec = spec.chat(messages, params)[0]
     assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
-    m = spec.metrics
-    assert m["spec_proposed"] > 0 and m["spec_tokens_per_forward"] > 1.0
+    m = spec.metrics.spec
+    assert m.proposed > 0 and m.tokens_per_forward > 1.0
     if method == "draft":
-        assert m["spec_acceptance_rate"] > 0.9
+        assert m.acceptance_rate > 0.9

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from edgellm.errors import ModelFormatError, ModelNotFoundError, TokenizerError
 from edgellm.loaders.gguf_tokenizer import PRE_TOKENIZERS
-from edgellm.tokenizer import Tokenizer
+from edgellm.loaders.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

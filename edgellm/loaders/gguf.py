@@ -11,72 +11,49 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
 from edgellm.errors import ModelFormatError, UnsupportedArchitectureError
 from edgellm.loaders.weights import TensorInfo
+from edgellm.models import get_model_module, gguf_architecture, model_type_of_gguf
 from edgellm.models.llama import ModelArgs
 
 GGUF_MAGIC = b"GGUF"
 
-# general.architecture -> (HF model_type, q/k rows permuted by llama.cpp's converter)
-GGUF_ARCHITECTURES = {
-    "llama": ("llama", True),
-    "qwen2": ("qwen2", False),
-}
-
-# llama.cpp tensor names -> HF names ({i} = layer index)
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF name of a llama.cpp tensor, or None for tensors we do not load."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
-
-
-_HF_LAYER_NAMES = {hf: g for g, hf in _LAYER_NAMES.items()}
-_HF_GLOBAL_NAMES = {hf: g for g, hf in _GLOBAL_NAMES.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def gguf_name(hf: str) -> str | None:
+def hf_name(gguf_name: str, model_type: str) -> str | None:
+    """HF name of a llama.cpp tensor, or None for tensors we do not load."""
+    family = get_model_module(model_type)
+    if gguf_name in family.GGUF_GLOBAL_NAMES:
+        return family.GGUF_GLOBAL_NAMES[gguf_name]
+    m = _BLK.fullmatch(gguf_name)
+    if m and m.group(2) in family.GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{family.GGUF_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def gguf_name(hf: str, model_type: str) -> str | None:
     """llama.cpp name of an HF tensor (inverse of `hf_name`), None when llama.cpp has none."""
-    if hf in _HF_GLOBAL_NAMES:
-        return _HF_GLOBAL_NAMES[hf]
+    family = get_model_module(model_type)
+    globals_ = {h: g for g, h in family.GGUF_GLOBAL_NAMES.items()}
+    if hf in globals_:
+        return globals_[hf]
+    layer = {h: g for g, h in family.GGUF_LAYER_NAMES.items()}
     m = _HF_LAYER.fullmatch(hf)
-    if m and m.group(2) in _HF_LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layer:
+        return f"blk.{m.group(1)}.{layer[m.group(2)]}"
     return None
 
 
 def open_gguf(path: str | Path):
     """A `gguf.GGUFReader` over `path`, with clear errors for non-GGUF or truncated files."""
-    import gguf
 
     path = Path(path)
     with open(path, "rb") as f:
@@ -108,11 +85,7 @@ def field_value(reader, key: str, default=None):
 def gguf_model_args(reader) -> ModelArgs:
     """ModelArgs from GGUF metadata (`{arch}.*` keys)."""
     arch = field_value(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
-        )
-    model_type, _ = GGUF_ARCHITECTURES[arch]
+    model_type = model_type_of_gguf(arch)
 
     def get(key, default=None):
         return field_value(reader, f"{arch}.{key}", default)
@@ -169,10 +142,10 @@ class GGUFSource:
     def __init__(self, reader, args: ModelArgs):
         self.reader = reader
         self.args = args
-        self._permuted = GGUF_ARCHITECTURES[field_value(reader, "general.architecture")][1]
+        self._permuted = gguf_architecture(args.model_type)[1]
         self._tensors = {}
         for t in reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, args.model_type)
             if name is not None:
                 self._tensors[name] = t
 
@@ -180,7 +153,6 @@ class GGUFSource:
         return list(self._tensors)
 
     def info(self, name: str) -> TensorInfo:
-        import gguf
 
         t = self._tensors[name]
         block, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
@@ -188,7 +160,6 @@ class GGUFSource:
         return TensorInfo(name, shape, t.tensor_type.name, 8 * nbytes / block)
 
     def get(self, name: str) -> torch.Tensor:
-        import gguf
 
         t = self._tensors[name]
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))

@@ -18,6 +18,7 @@ tokens, USER_DEFINED ones plain added tokens, so both are matched whole in text.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -344,7 +345,6 @@ def gguf_vocab(tokenizer: Any, n_vocab: int) -> GGUFVocab:
     we identify it by behaviour: the family whose split rules encode a probe text to the
     same ids. Raises TokenizerError for other tokenizer kinds or an unknown split.
     """
-    import json
 
     backend = tokenizer.backend
     model = json.loads(backend.to_str())["model"]

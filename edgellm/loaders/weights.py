@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import safe_open
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,6 @@ class SafetensorsSource:
     _BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I8": 8, "U8": 8}
 
     def __init__(self, files: list[Path]):
-        from safetensors import safe_open
 
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {n: h for h in self._handles for n in h.keys()}

@@ -15,10 +15,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 import numpy as np
+from rich.progress import Progress
 
-from edgellm.outputs import RequestOutput
-from edgellm.sampling_params import SamplingParams
+from edgellm.engine.outputs import RequestOutput
+from edgellm.loaders.texts import load_text
+from edgellm.sampling.params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -83,7 +86,6 @@ def make_workload(
     if prompt_file:
         lines = [ln for ln in Path(prompt_file).read_text().splitlines() if ln.strip()]
         return Workload([lines[i % len(lines)] for i in range(num_requests)], outputs)
-    from edgellm.texts import load_text
 
     ids = tokenizer.encode(load_text("sotu"), add_special_tokens=False)
     prompts = []
@@ -116,7 +118,6 @@ class HTTPTarget:
     """Any OpenAI-compatible server: streaming /v1/completions with usage."""
 
     def __init__(self, url: str, model: str, api_key: str | None = None):
-        import httpx
 
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
@@ -181,7 +182,6 @@ async def run_level(
 
 def sweep(target, work: Workload, concurrencies: list[int], rate: float | None = None) -> list:
     """Run every level with a rich progress bar; returns the LevelResults."""
-    from rich.progress import Progress
 
     levels = [None] if rate else concurrencies
 

@@ -1,7 +1,11 @@
-"""The engine: `step()` = schedule -> backend forward -> sample -> postprocess.
+"""The engine: `step()` = schedule -> propose -> backend forward -> verify and commit.
 
 Requests can be added and aborted at any time; every step returns the text each
 running request gained (streaming), and finished requests are retired at once.
+Speculative decoding is part of the same step: the scheduler reserves slots for
+drafted tokens, the speculator drafts them onto `seq.spec_token_ids`, one forward
+scores them beside plain decodes and prefill chunks, and `_advance` settles every
+sequence the same way. Without a speculator nothing is proposed.
 """
 
 from __future__ import annotations
@@ -12,23 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edgellm.backends.base import Backend
+from edgellm.config import EngineConfig
+from edgellm.engine.block_manager import BlockManager
+from edgellm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from edgellm.engine.scheduler import ScheduledSeq, Scheduler
+from edgellm.engine.sequence import Sequence
+from edgellm.engine.speculator import Proposal, Speculator
+from edgellm.engine.stop import holdback, stop_reason, truncate_at_stop
 from edgellm.errors import ContextLengthError, InvalidParameterError
-from edgellm.kv_cache import BlockManager
-from edgellm.outputs import CompletionOutput, RequestOutput, StreamDelta
-from edgellm.sampler import make_generator, process_logits, sample_token, top_logprobs
-from edgellm.sampling_params import SamplingParams
-from edgellm.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from edgellm.sequence import Sequence
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    block_size: int = 16
-    kv_cache_mb: float = 512
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
+from edgellm.sampling.params import SamplingParams
+from edgellm.sampling.sampler import make_generator, process_logits, sample_token, top_logprobs
 
 
 @dataclass
@@ -51,23 +49,31 @@ class Request:
 
 
 class Engine:
-    """Drives one backend with the shared block manager, scheduler and sampler."""
+    """Drives one backend with the shared block manager, scheduler and sampler, and a
+    speculative decoder when one is given."""
 
-    def __init__(self, backend, tokenizer, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer,
+        config: EngineConfig | None = None,
+        speculator: Speculator | None = None,
+    ):
         self.config = config or EngineConfig()
         self.backend = backend
         self.tokenizer = tokenizer
+        self.speculator = speculator
         self.max_model_len = backend.max_model_len
+        # the backend hears of prefix-cache changes; it may give a block up through `uncache`
         self.block_manager = BlockManager(
-            backend.num_blocks, backend.block_size, self.config.enable_prefix_caching
+            backend.num_blocks, backend.block_size, self.config.enable_prefix_caching, backend
         )
-        if hasattr(backend, "bind"):  # backends that mirror blocks in their own cells
-            backend.bind(self.block_manager)
+        backend.bind(self.block_manager.uncache)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
-            ),
+            self.config,
             self.block_manager,
+            self.max_model_len,
+            speculator.lookahead if speculator is not None else None,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -135,48 +141,103 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def is_finished(self, request_id: str) -> bool:
+        """Whether the request has all its completions (unknown ids count as finished)."""
+        req = self.requests.get(request_id)
+        return req is None or req.finished
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return sum(not req.finished for req in self.requests.values())
+
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
         """One scheduling round; returns the new text of every request that advanced."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         for seq in out.preempted:
-            self.backend.release(seq)
+            self._release(seq)
         if not out.scheduled:
             return []
         self.backend.copy_blocks(out.block_copies)
-        t0 = time.perf_counter()
+        proposals = self._propose(out.scheduled)
+        all_decode = all(item.is_decode for item in out.scheduled)
+        t1 = time.perf_counter()
         logits = self.backend.forward(out.scheduled)
-        self.stats["forward_s"] += time.perf_counter() - t0
+        self.stats["forward_s"] += time.perf_counter() - t1
         self.stats["steps"] += 1
-        return self._postprocess(out.scheduled, logits)
+        deltas = self._postprocess(out.scheduled, logits, proposals)
+        if self.speculator is not None and all_decode:  # prefill chunks would blur the cost
+            drafted = max((len(p.tokens) for p in proposals.values()), default=0)
+            self.speculator.record_step(time.perf_counter() - t0, drafted)
+        return deltas
+
+    def _propose(self, scheduled: list[ScheduledSeq]) -> dict[int, Proposal]:
+        """Drafts for the sequences given lookahead slots, onto `seq.spec_token_ids`; keyed by
+        seq_id."""
+        asks = [(item.seq, item.num_lookahead) for item in scheduled if item.num_lookahead]
+        if not asks:
+            return {}
+        proposals = {}
+        for (seq, k), p in zip(asks, self.speculator.propose(asks), strict=True):
+            if len(p.tokens) < k:  # slots reserved for drafts that did not come
+                self.block_manager.trim(seq, len(seq) + len(p.tokens))
+            if p.tokens:
+                seq.spec_token_ids = list(p.tokens)
+                proposals[seq.seq_id] = p
+        return proposals
 
     def _postprocess(
-        self, scheduled: list[ScheduledSeq], logits: torch.Tensor
+        self,
+        scheduled: list[ScheduledSeq],
+        logits: torch.Tensor,  # [sum of logit_rows, V]
+        proposals: dict[int, Proposal],
     ) -> list[StreamDelta]:
-        wanting = [s for s in scheduled if s.wants_logits]
-        for item in scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.block_manager.register_computed(item.seq)
+        rows = torch.split(logits, [item.logit_rows for item in scheduled])
         touched: dict[str, Request] = {}
-        for item, row in zip(wanting, logits, strict=True):
-            req = self.requests[item.seq.request_id]
-            for seq in [item.seq, *self._fork(req, item.seq)]:
-                self._append_token(req, seq, row)
-            touched[req.request_id] = req
+        for item, r in zip(scheduled, rows, strict=True):
+            seq = item.seq
+            computed = item.start + item.num_new  # K/V now hold every real token computed
+            if not item.wants_logits:  # a prompt chunk short of its end
+                self.block_manager.commit(seq, computed)
+                continue
+            req = touched[seq.request_id] = self.requests[seq.request_id]
+            proposal = proposals.get(seq.seq_id)
+            if proposal is not None:
+                self._settle_drafts(req, seq, computed, r, proposal)
+                continue
+            is_decode = item.is_decode
+            for s in [seq, *self._fork(req, seq)]:  # children share the prompt, not its token
+                self._advance(req, s, computed, [self._sample(s, r[0])], r)
+            if is_decode and self.speculator is not None:
+                self.speculator.record(seq, 0, 0, 1)
         return [d for req in touched.values() for d in self._deltas(req)]
+
+    def _settle_drafts(
+        self, req: Request, seq: Sequence, computed: int, rows: torch.Tensor, p: Proposal
+    ) -> None:
+        """Keep the drafted tokens the target accepts, plus its own next token."""
+        n, extra = self.speculator.verify(seq, rows, p)
+        before = len(seq)
+        # K/V are valid up to the last accepted drafted token
+        self._advance(req, seq, computed + n, [*p.tokens[:n], extra], rows)
+        self.speculator.record(seq, len(p.tokens), n, len(seq) - before)
 
     def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
         """After the prompt is computed, n > 1 requests fork children that share its blocks."""
         children = []
         for i in range(1, parent.pending_forks + 1):
-            seed = None if req.params.seed is None else req.params.seed + i
             child = Sequence(
                 req.request_id,
                 list(parent.token_ids),
                 req.params,
                 parent.num_prompt_tokens,
                 index=i,
-                generator=make_generator(seed),
+                generator=make_generator(child_seed(req.params.seed, i)),
             )
             self.block_manager.fork(parent, child)
             child.status = parent.status
@@ -186,14 +247,36 @@ class Engine:
         parent.pending_forks = 0
         return children
 
-    def _append_token(self, req: Request, seq: Sequence, row: torch.Tensor) -> None:
-        params = seq.params
-        processed = process_logits(row, params, seq.prompt_ids, seq.output_ids)
-        token = sample_token(processed, params, seq.generator)
-        self._push_token(req, seq, token, row)
+    def _sample(self, seq: Sequence, row: torch.Tensor) -> int:
+        processed = process_logits(row, seq.params, seq.prompt_ids, seq.output_ids)
+        return sample_token(processed, seq.params, seq.generator)
 
-    def _push_token(self, req: Request, seq: Sequence, token: int, row: torch.Tensor) -> None:
-        """Append a chosen token (raw logits `row` gave it) and apply the stop rules."""
+    def _advance(
+        self,
+        req: Request,
+        seq: Sequence,
+        computed: int,
+        tokens: list[int],
+        rows: torch.Tensor,  # raw logits that chose `tokens`, in order
+    ) -> None:
+        """The one way a sequence moves on after a forward: its drafts are settled, the chosen
+        tokens appended up to a stop, and the K/V of its first `computed` tokens committed."""
+        drafted = len(seq.spec_token_ids)
+        seq.spec_token_ids = []
+        reason = None
+        for token, row in zip(tokens, rows, strict=False):
+            reason = self._append(req, seq, token, row)
+            if reason is not None:  # tokens after a stop are discarded
+                break
+        self.block_manager.commit(seq, min(computed, len(seq)))
+        if reason is not None:
+            self._finish(seq, reason)
+        elif drafted:  # rejected drafts: their slots are given back, their K/V forgotten
+            self.block_manager.trim(seq, computed)
+            self.backend.truncate(seq, computed)
+
+    def _append(self, req: Request, seq: Sequence, token: int, row: torch.Tensor) -> str | None:
+        """Append a chosen token (raw logits `row` gave it); returns why the sequence ends."""
         params = seq.params
         if params.logprobs is not None:
             seq.logprobs.append(top_logprobs(row, token, params.logprobs))
@@ -201,43 +284,31 @@ class Engine:
         self.stats["generated_tokens"] += 1
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        self._check_stop(req, seq, token)
-
-    def _check_stop(self, req: Request, seq: Sequence, token: int) -> None:
-        params = seq.params
         decoder = req.decoders[seq.seq_id]
-        if token in req.stop_ids:  # the stop token itself is not part of the text
+        reason = stop_reason(seq, token, req.stop_ids, self.max_model_len)
+        if reason == "stop":  # the stop token itself is not part of the text
             seq.output_text += decoder.flush()
-            return self._finish(seq, "stop")
+            return reason
         seq.output_text += decoder.step(token)
-        out_of_room = len(seq.output_ids) >= params.max_tokens or len(seq) >= self.max_model_len
-        if out_of_room:
+        if reason is not None:
             seq.output_text += decoder.flush()
-        if params.stop and self._truncate_at_stop(seq, params):
-            return self._finish(seq, "stop")
-        if out_of_room:
-            return self._finish(seq, "length")
-        return None
-
-    @staticmethod
-    def _truncate_at_stop(seq: Sequence, params: SamplingParams) -> bool:
-        window = max(len(s) for s in params.stop) + 16
-        start = max(0, len(seq.output_text) - window)
-        hits = [(seq.output_text.find(s, start), s) for s in params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)
-        seq.output_text = seq.output_text[: i + len(s) if params.include_stop_str_in_output else i]
-        return True
+        if params.stop and truncate_at_stop(seq, params):
+            return "stop"
+        return reason
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Storage kept for a sequence outside the block pool (finished or preempted)."""
         self.backend.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def _deltas(self, req: Request) -> list[StreamDelta]:
         """Text gained since last time; text that may still become a stop string is held back."""
-        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        hold = holdback(req.params)
         deltas = []
         for seq in req.seqs:
             end = len(seq.output_text) if seq.finished else max(len(seq.output_text) - hold, 0)
@@ -281,21 +352,26 @@ class Engine:
             self._request_metrics(req),
         )
 
-    def _request_metrics(self, req: Request) -> dict:
-        m = {}
+    def _request_metrics(self, req: Request) -> RequestMetrics:
+        m = RequestMetrics()
         if req.first_token_time is not None:
-            m["ttft_s"] = req.first_token_time - req.arrival
+            m.ttft_s = req.first_token_time - req.arrival
         if req.finish_time is not None:
-            m["e2e_s"] = req.finish_time - req.arrival
+            m.e2e_s = req.finish_time - req.arrival
             n = sum(len(s.output_ids) for s in req.seqs)
             decode_s = req.finish_time - (req.first_token_time or req.arrival)
-            m["decode_tokens_per_s"] = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+            m.decode_tokens_per_s = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+        if self.speculator is not None:
+            m.spec = self.speculator.metrics(req.seqs)
         return m
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """The final output of a finished request, forgetting the request."""
         out = self.output(request_id)
-        del self.requests[request_id]
+        req = self.requests.pop(request_id)
+        if self.speculator is not None:
+            for seq in req.seqs:
+                self.speculator.forget(seq)
         return out
 
     def metrics(self) -> dict:
@@ -333,8 +409,13 @@ class Engine:
                 logits = self.backend.forward([ScheduledSeq(seq, n)], all_logits=True)
                 targets = torch.tensor(token_ids[s + 1 : s + n + 1])
                 out[s : s + n] = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
-                seq.num_computed_tokens += n
+                self.block_manager.commit(seq, s + n)
         finally:
             self.block_manager.free(seq)
             self.backend.release(seq)
         return out
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of the `index`-th of n completions (None stays unseeded)."""
+    return None if seed is None else (seed + index) % 2**63

@@ -9,39 +9,59 @@ sequence is preempted (its blocks freed, recomputed later from its tokens).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edgellm.errors import InvalidParameterError
-from edgellm.kv_cache import BlockManager
-from edgellm.sequence import Sequence, SequenceStatus
+from edgellm.config import EngineConfig
+from edgellm.engine.block_manager import BlockManager
+from edgellm.engine.sequence import Sequence, SequenceStatus
 
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int = 2048
-
-    def __post_init__(self):
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise InvalidParameterError("max_num_seqs and max_num_batched_tokens must be >= 1")
+# (sequence, room) -> drafted tokens to verify this step, at most `room` (0: plain decode)
+Lookahead = Callable[[Sequence, int], int]
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
+    """One sequence's share of a step: `num_new` of its tokens from `seq.num_computed_tokens`,
+    then, when the chunk reaches its last token, its drafted tokens (`seq.spec_token_ids`)."""
+
     seq: Sequence
-    num_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
-    num_logits: int = 0  # > 0: logits for the chunk's last num_logits tokens (speculative verify)
+    num_new: int  # real tokens to compute this step
+    num_lookahead: int = 0  # slots the scheduler reserved for drafted tokens
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
 
     @property
     def wants_logits(self) -> bool:
         """Logits are needed when this chunk reaches the sequence's last token."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+        return self.seq.num_computed_tokens + self.num_new == len(self.seq)
+
+    @property
+    def num_spec(self) -> int:
+        return len(self.seq.spec_token_ids) if self.wants_logits else 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the backend computes: the new ones plus the drafted ones."""
+        return self.num_new + self.num_spec
 
     @property
     def logit_rows(self) -> int:
-        """How many logits rows the backend returns for this chunk (in token order)."""
-        return self.num_logits or int(self.wants_logits)
+        """How many logits rows the backend returns for this chunk (its last tokens, in order):
+        the last real token and every drafted one."""
+        return 1 + self.num_spec if self.wants_logits else 0
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token at the end of a sequence that has nothing left to fork."""
+        return self.num_new == 1 and self.wants_logits and not self.seq.pending_forks
+
+    def input_ids(self) -> list[int]:
+        seq, start = self.seq, self.seq.num_computed_tokens
+        ids = seq.token_ids[start : start + self.num_new]
+        return ids + seq.spec_token_ids if self.wants_logits else ids
 
 
 @dataclass(slots=True)
@@ -52,13 +72,24 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum(s.num_tokens + s.num_lookahead for s in self.scheduled)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    """Fills each step's token budget; with `lookahead` (speculation), decodes also get slots
+    for drafted tokens out of what the budget has left."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        lookahead: Lookahead | None = None,
+    ):
         self.config = config
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -74,8 +105,31 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # admitting while preempting would thrash
-            self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget)
+        if self.lookahead is not None:
+            self._reserve_lookahead(out, budget)
         return out
+
+    def _reserve_lookahead(self, out: SchedulerOutput, budget: int) -> None:
+        """Slots for drafted tokens, from the budget the step has left, decodes in order."""
+        bm = self.block_manager
+        for item in out.scheduled:
+            if budget <= 0:
+                break
+            seq = item.seq
+            if not item.is_decode:
+                continue
+            room = min(
+                seq.params.max_tokens - len(seq.output_ids) - 1,
+                self.max_model_len - len(seq) - 1,
+                budget,
+            )
+            k = self.lookahead(seq, max(room, 0))
+            if k <= 0 or not bm.can_append(seq, k):
+                continue
+            out.block_copies += bm.append_slots(seq, k)
+            item.num_lookahead = k
+            budget -= k
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
@@ -108,7 +162,7 @@ class Scheduler:
         self.num_preemptions += 1
         return victim is not keep
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -121,6 +175,7 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        return budget
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence at once, freeing its blocks (also for aborts of waiting ones)."""

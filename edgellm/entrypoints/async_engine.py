@@ -12,10 +12,10 @@ import itertools
 import threading
 from collections.abc import AsyncIterator
 
-from edgellm.engine import Engine
+from edgellm.engine.engine import Engine
+from edgellm.engine.outputs import RequestOutput, StreamDelta
 from edgellm.errors import InvalidParameterError
-from edgellm.outputs import RequestOutput, StreamDelta
-from edgellm.sampling_params import SamplingParams
+from edgellm.sampling.params import SamplingParams
 
 
 class AsyncEngine:
@@ -37,9 +37,7 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def queue_full(self) -> bool:
-        return (
-            self.max_waiting is not None and len(self.engine.scheduler.waiting) >= self.max_waiting
-        )
+        return self.max_waiting is not None and self.engine.num_waiting >= self.max_waiting
 
     def add(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -49,9 +47,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.queue_full():
-                raise QueueFullError(
-                    f"{len(self.engine.scheduler.waiting)} requests are already waiting"
-                )
+                raise QueueFullError(f"{self.engine.num_waiting} requests are already waiting")
             self._queues[request_id] = (loop, asyncio.Queue())
             try:
                 self.engine.add_request(prompt, params, request_id)
@@ -121,8 +117,7 @@ class AsyncEngine:
             if target is None:
                 continue
             target[0].call_soon_threadsafe(target[1].put_nowait, d)
-            req = self.engine.requests.get(d.request_id)
-            if req is not None and req.finished and d.request_id not in finished:
+            if self.engine.is_finished(d.request_id) and d.request_id not in finished:
                 finished.append(d.request_id)
         for rid in finished:  # after all of the request's deltas of this step
             loop, queue = self._queues[rid]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from edgellm.sampling_params import SamplingParams
+from edgellm.sampling.params import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -7,7 +7,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgellm.sampling_params import SamplingParams
+from rich.console import Console
+
+from edgellm.engine.outputs import RequestMetrics
+from edgellm.sampling.params import SamplingParams
 
 HELP = (
     "/help  /reset  /system TEXT  /stats  /save FILE  /exit"
@@ -23,7 +26,7 @@ class ChatSession:
     history: list[dict] = field(default_factory=list)
     turns: int = 0
     generated_tokens: int = 0
-    last_metrics: dict = field(default_factory=dict)
+    last_metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def messages(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -38,20 +41,15 @@ class ChatSession:
         return out
 
 
-def status_line(m: dict) -> str:
-    """`ttft 120 ms · 31.5 tok/s` (plus `acceptance 72%` when a speculative layer reports it)."""
-    parts = [
-        f"ttft {m.get('ttft_s', 0) * 1000:.0f} ms",
-        f"{m.get('decode_tokens_per_s', 0):.1f} tok/s",
-    ]
-    if m.get("acceptance") is not None:
-        parts.append(f"acceptance {m['acceptance']:.0%}")
+def status_line(m: RequestMetrics) -> str:
+    """`ttft 120 ms · 31.5 tok/s` (plus `acceptance 72%` when speculation drafted tokens)."""
+    parts = [f"ttft {(m.ttft_s or 0) * 1000:.0f} ms", f"{m.decode_tokens_per_s:.1f} tok/s"]
+    if m.spec is not None:
+        parts.append(f"acceptance {m.spec.acceptance_rate:.0%} of {m.spec.proposed} drafted")
     return " · ".join(parts)
 
 
 def run_chat(llm, params: SamplingParams, system: str | None = None) -> None:
-    from rich.console import Console
-
     err = Console(stderr=True, highlight=False)
     session = ChatSession(system)
     err.print(f"[dim]backend {llm.backend_name} · {HELP}[/dim]")

@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from edgellm.errors import InvalidParameterError
 from edgellm.fsutil import atomic_path
+from edgellm.loaders.model import load_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -17,9 +19,6 @@ def convert_to_hf(
     model: str | None, out_dir: str | Path, dtype: str = "bfloat16", force: bool = False
 ) -> Path:
     """Write safetensors, config.json, generation_config.json and tokenizer files."""
-    from safetensors.torch import save_file
-
-    from edgellm.loaders.model import load_model
 
     if dtype not in DTYPES:
         raise InvalidParameterError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")

@@ -1,11 +1,33 @@
-"""The `edgellm` command. Thin: each command parses options and calls the library."""
+"""The `edgellm` command (also `python -m edgellm`). Thin: each command parses options and
+calls the library. Options shared by commands are defined once, below; engine options
+default to None, meaning EngineConfig's own default."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+
+from edgellm.backends.registry import CHOICES
+from edgellm.engine.outputs import RequestOutput
+from edgellm.entrypoints.async_engine import AsyncEngine
+from edgellm.entrypoints.chat import run_chat
+from edgellm.entrypoints.llm import LLM, measure_ppl
+from edgellm.entrypoints.serve import ServerConfig, run_server
+from edgellm.errors import EdgeLLMError, InvalidParameterError
+from edgellm.eval import loadgen
+from edgellm.eval.info import backends_table, model_info, render_info
+from edgellm.eval.perplexity import perplexity
+from edgellm.loaders.model import load_model
+from edgellm.loaders.texts import load_text
+from edgellm.quantize.export_gguf import export_gguf as write_gguf
+from edgellm.quantize.export_hf import convert_to_hf
+from edgellm.quantize.pipeline import QuantizeOptions, print_report
+from edgellm.quantize.pipeline import quantize as run_quantize
+from edgellm.sampling.params import SamplingParams
 
 app = typer.Typer(
     help="edgellm: quantize once, run everywhere. With no MODEL, SmolLM2-135M-Instruct is used.",
@@ -22,9 +44,25 @@ ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="GGUF file, HF directory or short name (smollm2-135m)"),
 ]
-BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="torch | llamacpp | auto")]
+BackendOpt = Annotated[
+    str,
+    typer.Option("--backend", "-b", help=f"{' | '.join(CHOICES)} (auto: see `edgellm info`)"),
+]
 ThreadsOpt = Annotated[
     int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores)")
+]
+DtypeOpt = Annotated[
+    str | None, typer.Option(help="float32 | bfloat16 | float16 (torch backend; default float32)")
+]
+KVCacheOpt = Annotated[
+    float | None, typer.Option("--kv-cache-mb", help="memory for the KV cache (default 512)")
+]
+MaxSeqsOpt = Annotated[
+    int | None, typer.Option("--max-num-seqs", help="sequences running at once (default 64)")
+]
+CtxOpt = Annotated[int | None, typer.Option("--ctx", help="context length limit")]
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", help="let backends' libraries log (llama.cpp)")
 ]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
 SpecOpt = Annotated[str, typer.Option("--speculative", help="ngram | draft | off")]
@@ -32,29 +70,42 @@ DraftOpt = Annotated[str | None, typer.Option("--draft-model", help="draft model
 DraftTokensOpt = Annotated[
     int, typer.Option("--num-draft-tokens", help="most tokens drafted a step")
 ]
+ModelArg = Annotated[str | None, typer.Argument(help="GGUF file, HF directory or short name")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="replace the output if it exists")]
 
 
-def _params(**kw):
-    from edgellm.sampling_params import SamplingParams
-
-    return SamplingParams(**kw)
-
-
-def _llm(model, backend, threads=None, **kw):
-    from rich.console import Console
-
-    from edgellm.llm import LLM
-
+def _llm(
+    model: str | None,
+    backend: str,
+    *,
+    speculative: str = "off",
+    draft_model: str | None = None,
+    num_draft_tokens: int = 4,
+    **engine,
+) -> LLM:
+    """Load `model` on `backend`; `engine` holds EngineConfig overrides, None = default."""
+    overrides = {k: v for k, v in engine.items() if v is not None}
     with Console(stderr=True).status("loading model"):
-        return LLM(model, backend=backend, threads=threads, **kw)
+        return LLM(
+            model,
+            backend=backend,
+            speculative=speculative,
+            draft_model=draft_model,
+            num_draft_tokens=num_draft_tokens,
+            **overrides,
+        )
 
 
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Argument(help="prompt text ('-' reads stdin)")],
     model: ModelOpt = None,
-    backend: BackendOpt = "torch",
+    backend: BackendOpt = "auto",
     threads: ThreadsOpt = None,
+    dtype: DtypeOpt = None,
+    kv_cache_mb: KVCacheOpt = None,
+    ctx: CtxOpt = None,
+    verbose: VerboseOpt = False,
     chat: Annotated[bool, typer.Option("--chat", help="format PROMPT as a user message")] = False,
     system: Annotated[str | None, typer.Option(help="system prompt (with --chat)")] = None,
     max_tokens: MaxTokens = 128,
@@ -65,7 +116,6 @@ def generate(
     repetition_penalty: float = 1.0,
     seed: int | None = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
-    ctx: Annotated[int | None, typer.Option(help="context length limit")] = None,
     speculative: SpecOpt = "off",
     draft_model: DraftOpt = None,
     num_draft_tokens: DraftTokensOpt = 4,
@@ -73,7 +123,7 @@ def generate(
     """Complete PROMPT (streamed to stdout)."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    params = _params(
+    params = SamplingParams(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -86,9 +136,14 @@ def generate(
     llm = _llm(
         model,
         backend,
-        threads,
+        threads=threads,
+        dtype=dtype,
+        kv_cache_mb=kv_cache_mb,
         max_model_len=ctx,
-        **_spec_kw(speculative, draft_model, num_draft_tokens),
+        verbose=verbose,
+        speculative=speculative,
+        draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens,
     )
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -105,35 +160,32 @@ def generate(
     _print_stats(llm.last_output)
 
 
-def _print_stats(out) -> None:
-    from rich.console import Console
-
+def _print_stats(out: RequestOutput) -> None:
     m = out.metrics
     n = len(out.outputs[0].token_ids)
-    Console(stderr=True).print(
+    err = Console(stderr=True)
+    err.print(
         f"[dim]{len(out.prompt_token_ids)} prompt tokens, {n} generated, "
-        f"ttft {m.get('ttft_s', 0) * 1000:.0f} ms, {m.get('decode_tokens_per_s', 0):.1f} tok/s, "
+        f"ttft {(m.ttft_s or 0) * 1000:.0f} ms, {m.decode_tokens_per_s:.1f} tok/s, "
         f"finish: {out.outputs[0].finish_reason}[/dim]"
     )
-    if "spec_proposed" in m:
-        Console(stderr=True).print(
-            f"[dim]speculative: {m['spec_accepted']}/{m['spec_proposed']} drafted tokens "
-            f"accepted ({m['spec_acceptance_rate']:.0%}), "
-            f"{m['spec_tokens_per_forward']:.2f} tokens per target forward[/dim]"
+    if m.spec is not None:
+        err.print(
+            f"[dim]speculative: {m.spec.accepted}/{m.spec.proposed} drafted tokens "
+            f"accepted ({m.spec.acceptance_rate:.0%}), "
+            f"{m.spec.tokens_per_forward:.2f} tokens per target forward[/dim]"
         )
-
-
-def _spec_kw(speculative: str, draft_model: str | None, num_draft_tokens: int) -> dict:
-    return dict(speculative=speculative, draft_model=draft_model, num_draft_tokens=num_draft_tokens)
 
 
 @app.command()
 def chat(
     model: ModelOpt = None,
-    backend: Annotated[
-        str, typer.Option("--backend", "-b", help="auto (MLX, Triton, llama.cpp, torch) or one")
-    ] = "auto",
+    backend: BackendOpt = "auto",
     threads: ThreadsOpt = None,
+    dtype: DtypeOpt = None,
+    kv_cache_mb: KVCacheOpt = None,
+    ctx: CtxOpt = None,
+    verbose: VerboseOpt = False,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     max_tokens: MaxTokens = 512,
     temperature: float = 0.7,
@@ -144,10 +196,19 @@ def chat(
     num_draft_tokens: DraftTokensOpt = 4,
 ):
     """Interactive chat with history, formatted by the model's chat template."""
-    from edgellm.chat import run_chat
-
-    llm = _llm(model, backend, threads, **_spec_kw(speculative, draft_model, num_draft_tokens))
-    params = _params(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    llm = _llm(
+        model,
+        backend,
+        threads=threads,
+        dtype=dtype,
+        kv_cache_mb=kv_cache_mb,
+        max_model_len=ctx,
+        verbose=verbose,
+        speculative=speculative,
+        draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens,
+    )
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     run_chat(llm, params, system)
 
 
@@ -156,31 +217,35 @@ def serve(
     model: ModelOpt = None,
     backend: BackendOpt = "auto",
     threads: ThreadsOpt = None,
+    dtype: DtypeOpt = None,
+    kv_cache_mb: KVCacheOpt = None,
+    max_num_seqs: MaxSeqsOpt = None,
+    ctx: CtxOpt = None,
+    verbose: VerboseOpt = False,
     host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
     port: int = 8000,
     api_key: Annotated[
         str | None, typer.Option(envvar="EDGELLM_API_KEY", help="require this bearer key")
     ] = None,
     served_model_name: Annotated[str | None, typer.Option(help="model id clients use")] = None,
-    kv_cache_mb: float = 512,
-    max_num_seqs: int = 64,
     max_waiting: Annotated[int, typer.Option(help="queued requests beyond this get 429")] = 256,
-    ctx: Annotated[int | None, typer.Option(help="context length limit")] = None,
     speculative: SpecOpt = "off",
     draft_model: DraftOpt = None,
     num_draft_tokens: DraftTokensOpt = 4,
 ):
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /metrics)."""
-    from edgellm.serve import ServerConfig, run_server
-
     llm = _llm(
         model,
         backend,
-        threads,
+        threads=threads,
+        dtype=dtype,
         kv_cache_mb=kv_cache_mb,
         max_num_seqs=max_num_seqs,
         max_model_len=ctx,
-        **_spec_kw(speculative, draft_model, num_draft_tokens),
+        verbose=verbose,
+        speculative=speculative,
+        draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens,
     )
     name = served_model_name or model or "smollm2-135m"
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (backend {llm.backend_name})", err=True)
@@ -192,6 +257,9 @@ def bench(
     model: ModelOpt = None,
     backend: BackendOpt = "auto",
     threads: ThreadsOpt = None,
+    dtype: DtypeOpt = None,
+    kv_cache_mb: KVCacheOpt = None,
+    verbose: VerboseOpt = False,
     url: Annotated[
         str | None, typer.Option(help="OpenAI-compatible server (default: in-process engine)")
     ] = None,
@@ -212,20 +280,20 @@ def bench(
     seed: int = 0,
 ):
     """Load test: TTFT, TPOT, end-to-end P50/P90/P99 and throughput; writes JSON + PNG."""
-    from pathlib import Path
-
-    from edgellm import loadgen
-
     levels = concurrency or [1, 4, 16]
     if url:
-        from edgellm.loaders.model import load_model
-
         target = loadgen.HTTPTarget(url, served_model_name or model or "smollm2-135m", api_key)
         tok, where = load_model(model).tokenizer, url
     else:
-        from edgellm.async_engine import AsyncEngine
-
-        llm = _llm(model, backend, threads, max_num_seqs=max(levels))
+        llm = _llm(
+            model,
+            backend,
+            threads=threads,
+            dtype=dtype,
+            kv_cache_mb=kv_cache_mb,
+            max_num_seqs=max(levels),
+            verbose=verbose,
+        )
         target = loadgen.EngineTarget(AsyncEngine(llm.engine))
         tok, where = llm.tokenizer, f"in-process {llm.backend_name} engine"
     work = loadgen.make_workload(tok, num_requests, prompt_len, output_len, dist, seed, prompt_file)
@@ -246,26 +314,21 @@ def bench(
 
 
 @app.command()
-def info(
-    model: Annotated[
-        str | None, typer.Argument(help="GGUF file, HF directory or short name")
-    ] = None,
-):
-    """Architecture, parameters, tensor types and bits/weight, context, tokenizer, template."""
-    from rich.console import Console
-
-    from edgellm.info import model_info, render_info
-
-    Console().print(render_info(model_info(model)))
+def info(model: ModelArg = None):
+    """The model (architecture, parameters, tensor types, bits/weight, context, tokenizer,
+    template) and the backends this machine has, with the one `auto` picks."""
+    console = Console()
+    console.print(render_info(model_info(model)))
+    console.print(backends_table())
 
 
 @eval_app.command("ppl")
 def eval_ppl(
-    model: Annotated[
-        str | None, typer.Argument(help="GGUF file, HF directory or short name")
-    ] = None,
-    backend: BackendOpt = "torch",
+    model: ModelArg = None,
+    backend: BackendOpt = "auto",
     threads: ThreadsOpt = None,
+    dtype: DtypeOpt = None,
+    verbose: VerboseOpt = False,
     text: Annotated[
         str, typer.Option(help="sotu | sotu-calib | shakespeare | a text file")
     ] = "sotu",
@@ -274,17 +337,19 @@ def eval_ppl(
     max_tokens: Annotated[int | None, typer.Option(help="score only the first N tokens")] = None,
 ):
     """Perplexity on a built-in text or a file (sliding window)."""
-    from rich.console import Console
-
-    from edgellm.evaluate import perplexity
-    from edgellm.texts import load_text
-
-    llm = _llm(model, backend, threads, max_model_len=None, max_num_batched_tokens=ctx)
+    llm = _llm(
+        model,
+        backend,
+        threads=threads,
+        dtype=dtype,
+        verbose=verbose,
+        max_num_batched_tokens=ctx,
+    )
     tokens = llm.tokenizer.encode(load_text(text), add_special_tokens=False)[:max_tokens]
     r = perplexity(llm.score, tokens, ctx, stride, progress=True)
     Console().print(
         f"perplexity {r.ppl:.4f} on {text} ({r.tokens_scored} tokens scored, "
-        f"{r.windows} windows of {r.ctx}, stride {r.stride})"
+        f"{r.windows} windows of {r.ctx}, stride {r.stride}, backend {llm.backend_name})"
     )
 
 
@@ -293,20 +358,16 @@ def convert(
     model: Annotated[str, typer.Argument(help="GGUF file (or any loadable model)")],
     out_dir: Annotated[str, typer.Argument(help="output Hugging Face directory")],
     dtype: Annotated[str, typer.Option(help="float32 | float16 | bfloat16")] = "bfloat16",
-    force: Annotated[bool, typer.Option("--force", help="replace OUT_DIR if it exists")] = False,
+    force: ForceOpt = False,
 ):
     """Write a Hugging Face directory (safetensors, config, tokenizer) transformers loads."""
-    from edgellm.convert import convert_to_hf
-
     out = convert_to_hf(model, out_dir, dtype, force)
     typer.echo(f"wrote {out}")
 
 
 @app.command()
 def quantize(
-    model: Annotated[
-        str | None, typer.Argument(help="GGUF file, HF directory or short name")
-    ] = None,
+    model: ModelArg = None,
     out: Annotated[str, typer.Option("--out", "-o", help="output checkpoint directory")] = "",
     method: Annotated[str, typer.Option(help="rtn | awq | gptq")] = "awq",
     bits: Annotated[int, typer.Option(help="2-8")] = 4,
@@ -323,18 +384,17 @@ def quantize(
     eval_: Annotated[
         bool, typer.Option("--eval", help="perplexity before/after on held-out sotu")
     ] = False,
-    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+    force: ForceOpt = False,
 ):
     """Quantize to INT4 (or 2-8 bits) into a compressed-tensors checkpoint, layer by layer."""
-    from edgellm.errors import InvalidParameterError
-    from edgellm.quantize.pipeline import QuantizeOptions, print_report, quantize
-
     if not out:
         raise InvalidParameterError("--out/-o is required")
     opts = QuantizeOptions(
         method, bits, group_size, sym, calib, samples, seq_len, seed, chat_template, act_order
     )
-    report = quantize(model, out, opts, force=force, eval_text="sotu" if eval_ else None)
+    report = run_quantize(
+        model, out, opts, force=force, eval_text="sotu" if eval_ else None, measure_ppl=measure_ppl
+    )
     print_report(report)
 
 
@@ -351,22 +411,17 @@ def export_gguf(
             help="auto (INT4 -> Q4_0/Q4_1 exactly, float -> F16) | q4_0 | q4_1 | q8_0 | f16",
         ),
     ] = "auto",
-    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+    force: ForceOpt = False,
 ):
     """Write one GGUF file llama.cpp runs; INT4 groups become Q4_0/Q4_1 blocks unchanged."""
-    from edgellm.errors import InvalidParameterError
-    from edgellm.quantize.export_gguf import export_gguf
-
     if not out:
         raise InvalidParameterError("--out/-o is required")
-    path = export_gguf(model, out, type_, force=force, progress=True)
+    path = write_gguf(model, out, type_, force=force, progress=True)
     typer.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
 def main() -> None:
     """Entry point: user errors are one line on stderr, never a traceback."""
-    from edgellm.errors import EdgeLLMError
-
     try:
         app()
     except EdgeLLMError as e:

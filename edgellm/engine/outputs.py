@@ -6,6 +6,29 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class SpecMetrics:
+    """Speculative decoding of one request, summed over its sequences."""
+
+    proposed: int = 0  # drafted tokens sent to verification
+    accepted: int = 0  # ... that the target accepted
+    tokens_per_forward: float = 0.0  # tokens produced per target forward while decoding
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timing of one request (seconds from its arrival); `spec` when speculation ran."""
+
+    ttft_s: float | None = None  # time to first token
+    e2e_s: float | None = None  # time to the last token (finished requests)
+    decode_tokens_per_s: float = 0.0  # after the first token
+    spec: SpecMetrics | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -22,7 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, tokens_per_s
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
     def text(self) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from rich.table import Table
+
+from edgellm.backends.registry import AUTO_ORDER, BACKENDS, resolve_backend
 from edgellm.loaders.model import file_size, load_model
 
 
@@ -67,9 +70,7 @@ def model_info(model: str | None) -> ModelInfo:
     )
 
 
-def render_info(info: ModelInfo):
-    from rich.table import Table
-
+def render_info(info: ModelInfo) -> Table:
     t = Table(title=info.path, show_header=False, title_justify="left")
     rows = [
         ("format", info.format),
@@ -95,4 +96,17 @@ def render_info(info: ModelInfo):
     ]
     for k, v in rows:
         t.add_row(k, v)
+    return t
+
+
+def backends_table() -> Table:
+    """The registered backends, whether this machine can run each, and `auto`'s pick."""
+    pick = resolve_backend("auto")
+    t = Table(title="backends on this machine", title_justify="left")
+    for col in ("backend", "available", "what", "auto"):
+        t.add_column(col)
+    for name, entry in BACKENDS.items():
+        rank = f"#{AUTO_ORDER.index(name) + 1}" if name in AUTO_ORDER else ""
+        chosen = "<- picked" if name == pick else rank
+        t.add_row(name, "yes" if entry.available() else "no", entry.description, chosen)
     return t

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from edgellm.engine.outputs import RequestOutput
 from edgellm.errors import ContextLengthError
-from edgellm.outputs import RequestOutput
-from edgellm.sampling_params import SamplingParams
+from edgellm.sampling.params import SamplingParams
 
 
 class StreamOptions(BaseModel):

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
+from edgellm.engine.sequence import Sequence
 from edgellm.errors import InvalidParameterError
-from edgellm.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -28,16 +29,36 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
-class BlockManager:
-    """Block ids for sequences: allocation, prefix hits, append, fork, copy-on-write, free."""
+class CacheListener(Protocol):
+    """Told when a block enters or leaves the prefix cache (a backend that keeps K/V outside
+    the block pool, as llama.cpp's cells, follows the cache this way)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def block_cached(self, block_id: int) -> None: ...
+
+    def block_evicted(self, block_id: int) -> None: ...
+
+
+class BlockManager:
+    """Block ids for sequences: allocation, prefix hits, append, fork, copy-on-write, free.
+
+    It is also the one writer of a sequence's progress: `commit` advances
+    `num_computed_tokens`, `trim` rolls it back, allocation and `free` set it.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        listener: CacheListener | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise InvalidParameterError(
                 "the KV cache needs at least one block of at least one token"
             )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.listener = listener
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.hash_to_block: dict[int, int] = {}
@@ -61,9 +82,7 @@ class BlockManager:
         block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict the least recently used cached block
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
+            self.uncache(block_id)
         block.ref_count = 1
         return block_id
 
@@ -173,6 +192,17 @@ class BlockManager:
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_tokens // self.block_size)
 
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        """K/V of the sequence's first `num_computed` tokens are now computed: the one place
+        progress advances (`trim` rolls it back). Newly full blocks enter the prefix cache."""
+        if not seq.num_computed_tokens <= num_computed <= len(seq):
+            raise InvalidParameterError(
+                f"commit of {num_computed} tokens: the sequence has {seq.num_computed_tokens} "
+                f"computed of {len(seq)}"
+            )
+        seq.num_computed_tokens = num_computed
+        self.register_computed(seq)
+
     # ---- prefix caching ------------------------------------------------------------------------
     def register_computed(self, seq: Sequence) -> None:
         """Hash the sequence's full blocks whose K/V are now computed."""
@@ -192,15 +222,25 @@ class BlockManager:
             if block.hash is None:
                 block.hash, block.token_ids = h, tokens
                 self.hash_to_block.setdefault(h, block.block_id)
+                if self.listener is not None:
+                    self.listener.block_cached(block.block_id)
             parent = block.hash
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
 
     def uncache(self, block_id: int) -> None:
-        """Forget a block's hash: a backend that cannot keep its K/V any longer says so."""
+        """Take a block out of the prefix cache: evicted for reuse, rewritten in place, or
+        given up by a backend that cannot keep its K/V (the listener hears of it)."""
         block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+        if block.hash is None:
+            return
+        if self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
         block.hash, block.token_ids = None, ()
+        if self.listener is not None:
+            self.listener.block_evicted(block_id)
+
+    def is_cached(self, block_id: int) -> bool:
+        return self.blocks[block_id].hash is not None
 
     @property
     def prefix_hit_rate(self) -> float:

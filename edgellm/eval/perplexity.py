@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from rich.progress import Progress
 
 from edgellm.errors import InvalidParameterError
 
@@ -63,7 +64,6 @@ def _progress(items, enabled: bool):
     if not enabled:
         yield from items
         return
-    from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("perplexity", total=len(items))

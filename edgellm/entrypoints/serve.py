@@ -17,15 +17,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from edgellm import openai_api as oa
-from edgellm.async_engine import AsyncEngine, QueueFullError
+from edgellm.engine.outputs import RequestOutput
+from edgellm.entrypoints import openai_api as oa
+from edgellm.entrypoints.async_engine import AsyncEngine, QueueFullError
 from edgellm.errors import ContextLengthError, InvalidParameterError, TokenizerError
-from edgellm.outputs import RequestOutput
 
 
 @dataclass(slots=True)
@@ -277,7 +278,6 @@ def prometheus_text(m: dict, rate: TokenRate) -> str:
 # ---- running it --------------------------------------------------------------------------------
 def run_server(llm, config: ServerConfig) -> None:
     """Serve `llm` until interrupted (blocking)."""
-    import uvicorn
 
     aeng = AsyncEngine(llm.engine, max_waiting=config.max_waiting)
     app = build_app(aeng, config.model_name, config.api_key)
@@ -291,7 +291,6 @@ class ServerThread:
     """uvicorn serving `app` from a background thread on a free port (tests, benchmarks)."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -8,7 +8,7 @@ from enum import Enum, auto
 
 import torch
 
-from edgellm.sampling_params import SamplingParams
+from edgellm.sampling.params import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -22,7 +22,11 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
-    """One stream of tokens. The engine owns it; the backend only reads it."""
+    """One stream of tokens. The engine owns it; the backend only reads it.
+
+    Progress counters (`num_computed_tokens`, `num_hashed_blocks`) are written by the
+    block manager alone: `commit` advances them, `trim` rolls them back.
+    """
 
     request_id: str
     token_ids: list[int]  # prompt + generated
@@ -40,6 +44,8 @@ class Sequence:
     output_text: str = ""
     logprobs: list = field(default_factory=list)
     pending_forks: int = 0  # children to fork after the prompt is computed (n > 1)
+    # drafted tokens being verified this step: after token_ids, never part of them
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

@@ -1,0 +1,5 @@
+"""`python -m edgellm ...` is the `edgellm` command."""
+
+from edgellm.entrypoints.cli import main
+
+main()

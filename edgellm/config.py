@@ -1,0 +1,113 @@
+"""The one home of defaults: `EngineConfig` (+ `SpeculativeConfig`), validated on creation.
+
+Every layer reads its settings from here: the engine (block size, batch limits,
+prefix caching), the backends (KV-pool size, dtype, threads), `LLM(**kwargs)` and
+the CLI, whose options only override fields of these objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+from edgellm.errors import InvalidParameterError
+
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """How to speculate. `num_draft_tokens` is the most a sequence drafts per step (k)."""
+
+    method: str = "off"  # "off" | "ngram" | "draft"
+    num_draft_tokens: int = 4
+    draft_model: str | None = None  # with method="draft"
+    ngram_max: int = 3  # longest suffix looked up (n)
+    ngram_min: int = 2  # shortest suffix that counts as a match
+    adaptive: bool = True  # k from acceptance; off-switch when it does not pay
+    probe_every: int = 32  # decode steps a switched-off sequence waits before trying again
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidParameterError(
+                f"unknown speculative method {self.method!r} "
+                f"(choose from {', '.join(SPECULATIVE_METHODS)})"
+            )
+        if not 1 <= self.num_draft_tokens <= 32:
+            raise InvalidParameterError("num_draft_tokens must be in [1, 32]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidParameterError("need 1 <= ngram_min <= ngram_max")
+        if self.method == "draft" and not self.draft_model:
+            raise InvalidParameterError("speculative method 'draft' needs a draft model")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine and a backend need besides the model.
+
+    Args:
+        block_size: tokens per KV block (the unit of allocation and prefix caching).
+        kv_cache_mb: memory for the paged KV pool; the backend turns it into blocks.
+        max_num_seqs: sequences running at once.
+        max_num_batched_tokens: tokens one step computes at most (prefill chunks,
+            decodes and drafted tokens together).
+        max_model_len: context limit (None: the model's, bounded by the pool).
+        enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
+        dtype: float dtype of weights and KV cache where the backend has a choice.
+        threads: CPU threads (None: all cores).
+        verbose: let backends' own libraries log (llama.cpp prints to stderr).
+        speculative: speculative decoding (off by default).
+    """
+
+    block_size: int = 16
+    kv_cache_mb: float = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    threads: int | None = None
+    verbose: bool = False
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise InvalidParameterError(
+                "block_size, max_num_seqs and max_num_batched_tokens must be >= 1"
+            )
+        if not self.kv_cache_mb > 0:
+            raise InvalidParameterError(f"kv_cache_mb must be positive, got {self.kv_cache_mb}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidParameterError("max_model_len must be at least 2")
+        if self.dtype not in DTYPES:
+            raise InvalidParameterError(
+                f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})"
+            )
+        if self.threads is not None and self.threads < 1:
+            raise InvalidParameterError("threads must be >= 1")
+
+    def replace(self, **overrides) -> EngineConfig:
+        """A copy with some fields changed; unknown names are an error, not ignored."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise InvalidParameterError(
+                f"unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
+        return dataclasses.replace(self, **overrides)
+
+
+def kv_pool_blocks(kv_cache_mb: float, block_size: int, bytes_per_token: int) -> int:
+    """Blocks of `block_size` tokens that `kv_cache_mb` holds at `bytes_per_token` (K and V of
+    every layer); at least two, or the pool cannot hold a prompt and its next token."""
+    num_blocks = int(kv_cache_mb * 2**20 // (block_size * bytes_per_token))
+    if num_blocks < 2:
+        raise InvalidParameterError(
+            f"--kv-cache-mb {kv_cache_mb} holds only {num_blocks} blocks of {block_size} tokens"
+        )
+    return num_blocks

@@ -1,0 +1,1 @@
+"""How people use edgellm: the `LLM` facade, the async engine, the CLI, chat and serve."""

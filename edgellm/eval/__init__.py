@@ -1,0 +1,1 @@
+"""Measuring models: perplexity, model info and the load generator behind `edgellm bench`."""

@@ -1,0 +1,1 @@
+"""Sampling: `SamplingParams` and the one sampler every backend's logits go through."""
