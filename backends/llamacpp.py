@@ -39,6 +39,7 @@ from edgellm.errors import EdgeLLMError, InvalidParameterError
 from edgellm.loaders.model import LoadedModel
 from edgellm.models.llama import ModelArgs
 from edgellm.quantize.export_gguf import cached_gguf
+from edgellm.registry import packaged_llamacpp_type
 
 if TYPE_CHECKING:
     from edgellm.engine.scheduler import ScheduledSeq
@@ -213,6 +214,16 @@ class CellMap:
         )
 
 
+def gguf_for(loaded: LoadedModel, llamacpp_type: str) -> Path:
+    """The GGUF file llama.cpp runs for a model (see EngineConfig.llamacpp_type)."""
+    kind = llamacpp_type
+    if kind == "auto":
+        kind = packaged_llamacpp_type(loaded.path) or "file"
+    if kind == "file":
+        return loaded.path if loaded.format == "gguf" else cached_gguf(loaded)
+    return cached_gguf(loaded, kind)
+
+
 _LOG = {"verbose": False, "callback": None}  # one callback per process; kept alive here
 
 
@@ -267,9 +278,8 @@ class LlamaCppBackend:
 
     @classmethod
     def build(cls, loaded: LoadedModel, config: EngineConfig) -> LlamaCppBackend:
-        """llama.cpp on the model's GGUF: the file itself, or its export (cached by content)."""
-        path = loaded.path if loaded.format == "gguf" else cached_gguf(loaded)
-        return cls(path, loaded.args, config)
+        """llama.cpp on the model's GGUF: the file itself, or an export (cached by content)."""
+        return cls(gguf_for(loaded, config.llamacpp_type), loaded.args, config)
 
     def _load(self, path: Path, n_seq: int) -> None:
         ll = self.ll

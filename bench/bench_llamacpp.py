@@ -59,6 +59,7 @@ def edgellm_llm(path: Path, threads: int, max_num_seqs: int = 64):
     return LLM(
         str(path),
         backend="llamacpp",
+        llamacpp_type="file",  # the very file Llama.generate runs
         threads=threads,
         kv_cache_mb=256,
         max_num_seqs=max_num_seqs,
@@ -212,6 +213,7 @@ def perplexity(path: Path, args) -> dict:
     llm = LLM(
         str(path),
         backend="llamacpp",
+        llamacpp_type="file",
         threads=args.threads,
         kv_cache_mb=64,
         max_num_batched_tokens=512,

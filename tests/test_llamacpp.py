@@ -27,7 +27,7 @@ SYSTEM = (
 def llm(smollm2_path):
     from edgellm.entrypoints.llm import LLM
 
-    return LLM(str(smollm2_path), backend="llamacpp", kv_cache_mb=64, threads=2)
+    return LLM(str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=64, threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_preemption_and_aborts_leave_no_cells(smollm2_path, reference):
     from edgellm.entrypoints.llm import LLM
 
     # a pool of ~20 blocks of 16 tokens for 4 sequences of ~70 tokens: preemption guaranteed
-    small = LLM(str(smollm2_path), backend="llamacpp", kv_cache_mb=1.2, threads=2)
+    small = LLM(str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=1.2, threads=2)
     engine = small.engine
     prompts = [ids for ids, _ in reference.values()]
     outs = small.generate(prompts, greedy())
@@ -202,4 +202,20 @@ def test_a_cache_too_small_for_two_blocks_is_refused(smollm2_path):
     from edgellm.errors import InvalidParameterError
 
     with pytest.raises(InvalidParameterError, match="holds only"):
-        LLM(str(smollm2_path), backend="llamacpp", kv_cache_mb=0.01)
+        LLM(str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=0.01)
+
+
+def test_auto_runs_the_default_model_from_its_f16_export(smollm2_path):
+    """The registry names F16 for SmolLM2 on llama.cpp (its Q4_1 file loses answers there);
+    "file" runs the packaged file itself; an unlisted model's file runs as it is."""
+    import gguf
+
+    from edgellm.backends.llamacpp import gguf_for
+    from edgellm.loaders.model import load_model
+
+    loaded = load_model(str(smollm2_path))
+    assert gguf_for(loaded, "file") == smollm2_path
+    f16 = gguf_for(loaded, "auto")
+    assert f16 != smollm2_path and f16 == gguf_for(loaded, "f16")  # one cached export
+    types = {t.tensor_type for t in gguf.GGUFReader(f16).tensors if t.name.endswith("q.weight")}
+    assert types == {gguf.GGMLQuantizationType.F16}

@@ -15,7 +15,6 @@ from typing import Protocol
 import torch
 
 from edgellm.engine.outputs import SpecMetrics
-from edgellm.engine.scheduler import ScheduledSeq
 from edgellm.engine.sequence import Sequence
 
 
@@ -43,8 +42,9 @@ class Speculator(Protocol):
         """What one decode of `seq` drafted, accepted and produced (proposed 0: a plain one)."""
         ...
 
-    def record_step(self, seconds: float, scheduled: list[ScheduledSeq]) -> None:
-        """The wall time of a whole step, for the cost model."""
+    def record_step(self, seconds: float, drafted: int) -> None:
+        """The wall time of a step of decodes only; `drafted`: the most tokens a sequence
+        drafted in it (0: a plain step). The cost model of the controller."""
         ...
 
     def release(self, seq: Sequence) -> None:

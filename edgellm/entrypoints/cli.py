@@ -61,6 +61,14 @@ MaxSeqsOpt = Annotated[
     int | None, typer.Option("--max-num-seqs", help="sequences running at once (default 64)")
 ]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", help="context length limit")]
+LlamaCppTypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--llamacpp-type",
+        help="weights llama.cpp runs: auto | file | f16 | q8_0 | q4_0 | q4_1 (auto: the file, "
+        "or the type its registry entry names)",
+    ),
+]
 VerboseOpt = Annotated[
     bool, typer.Option("--verbose", help="let backends' libraries log (llama.cpp)")
 ]
@@ -106,6 +114,7 @@ def generate(
     kv_cache_mb: KVCacheOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
+    llamacpp_type: LlamaCppTypeOpt = None,
     chat: Annotated[bool, typer.Option("--chat", help="format PROMPT as a user message")] = False,
     system: Annotated[str | None, typer.Option(help="system prompt (with --chat)")] = None,
     max_tokens: MaxTokens = 128,
@@ -141,6 +150,7 @@ def generate(
         kv_cache_mb=kv_cache_mb,
         max_model_len=ctx,
         verbose=verbose,
+        llamacpp_type=llamacpp_type,
         speculative=speculative,
         draft_model=draft_model,
         num_draft_tokens=num_draft_tokens,
@@ -186,6 +196,7 @@ def chat(
     kv_cache_mb: KVCacheOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
+    llamacpp_type: LlamaCppTypeOpt = None,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     max_tokens: MaxTokens = 512,
     temperature: float = 0.7,
@@ -204,6 +215,7 @@ def chat(
         kv_cache_mb=kv_cache_mb,
         max_model_len=ctx,
         verbose=verbose,
+        llamacpp_type=llamacpp_type,
         speculative=speculative,
         draft_model=draft_model,
         num_draft_tokens=num_draft_tokens,
@@ -222,6 +234,7 @@ def serve(
     max_num_seqs: MaxSeqsOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
+    llamacpp_type: LlamaCppTypeOpt = None,
     host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
     port: int = 8000,
     api_key: Annotated[
@@ -243,6 +256,7 @@ def serve(
         max_num_seqs=max_num_seqs,
         max_model_len=ctx,
         verbose=verbose,
+        llamacpp_type=llamacpp_type,
         speculative=speculative,
         draft_model=draft_model,
         num_draft_tokens=num_draft_tokens,
@@ -260,6 +274,7 @@ def bench(
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
     verbose: VerboseOpt = False,
+    llamacpp_type: LlamaCppTypeOpt = None,
     url: Annotated[
         str | None, typer.Option(help="OpenAI-compatible server (default: in-process engine)")
     ] = None,
@@ -293,6 +308,7 @@ def bench(
             kv_cache_mb=kv_cache_mb,
             max_num_seqs=max(levels),
             verbose=verbose,
+            llamacpp_type=llamacpp_type,
         )
         target = loadgen.EngineTarget(AsyncEngine(llm.engine))
         tok, where = llm.tokenizer, f"in-process {llm.backend_name} engine"
@@ -315,8 +331,8 @@ def bench(
 
 @app.command()
 def info(model: ModelArg = None):
-    """The model (architecture, parameters, tensor types, bits/weight, context, tokenizer,
-    template) and the backends this machine has, with the one `auto` picks."""
+    """What a model is (architecture, sizes, tensor types, tokenizer) and which backends
+    this machine has, with the one --backend auto picks."""
     console = Console()
     console.print(render_info(model_info(model)))
     console.print(backends_table())
@@ -329,6 +345,7 @@ def eval_ppl(
     threads: ThreadsOpt = None,
     dtype: DtypeOpt = None,
     verbose: VerboseOpt = False,
+    llamacpp_type: LlamaCppTypeOpt = None,
     text: Annotated[
         str, typer.Option(help="sotu | sotu-calib | shakespeare | a text file")
     ] = "sotu",
@@ -343,6 +360,7 @@ def eval_ppl(
         threads=threads,
         dtype=dtype,
         verbose=verbose,
+        llamacpp_type=llamacpp_type,
         max_num_batched_tokens=ctx,
     )
     tokens = llm.tokenizer.encode(load_text(text), add_special_tokens=False)[:max_tokens]
