@@ -266,7 +266,7 @@ class LlamaCppBackend:
         n_live = min(config.max_num_seqs, MAX_SEQ // 2)
         self.threads = config.threads or os.cpu_count() or 1
         self.max_num_batched_tokens = self.n_batch = config.max_num_batched_tokens
-        self.flash_attn = False  # off, as llama-cpp-python's `Llama`
+        self.flash_attn = config.flash_attn
         self._load(Path(gguf_path), n_live)
         self.cells = CellMap(llama_cpp, self.mem, config.block_size, n_live, MAX_SEQ - n_live)
         self._batch = b = llama_cpp.llama_batch_init(self.n_batch, 0, 1)

@@ -66,6 +66,7 @@ class EngineConfig:
         threads: CPU threads (None: all cores).
         verbose: let backends' own libraries log (llama.cpp prints to stderr).
         llamacpp_type: the weights llama.cpp runs (see LLAMACPP_TYPES).
+        flash_attn: llama.cpp's flash-attention kernels (off, as llama-cpp-python's `Llama`).
         speculative: speculative decoding (off by default).
     """
 
@@ -79,6 +80,7 @@ class EngineConfig:
     threads: int | None = None
     verbose: bool = False
     llamacpp_type: str = "auto"
+    flash_attn: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):

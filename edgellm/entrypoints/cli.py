@@ -82,26 +82,22 @@ ModelArg = Annotated[str | None, typer.Argument(help="GGUF file, HF directory or
 ForceOpt = Annotated[bool, typer.Option("--force", help="replace the output if it exists")]
 
 
-def _llm(
-    model: str | None,
-    backend: str,
-    *,
-    speculative: str = "off",
-    draft_model: str | None = None,
-    num_draft_tokens: int = 4,
-    **engine,
-) -> LLM:
-    """Load `model` on `backend`; `engine` holds EngineConfig overrides, None = default."""
-    overrides = {k: v for k, v in engine.items() if v is not None}
+# command parameters that are LLM / EngineConfig options (a command has those it shows)
+LLM_OPTIONS = ("speculative", "draft_model", "num_draft_tokens")
+ENGINE_OPTIONS = ("threads", "dtype", "kv_cache_mb", "max_num_seqs", "verbose", "llamacpp_type")
+
+
+def _llm(options: dict, **fixed) -> LLM:
+    """Load the model a command's options (its `locals()`) name, with the engine options it
+    was given; None means EngineConfig's default. `--ctx` is `max_model_len`; `fixed`
+    overrides what the command decides itself."""
+    engine = {k: options[k] for k in ENGINE_OPTIONS if options.get(k) is not None}
+    if options.get("ctx") is not None:
+        engine["max_model_len"] = options["ctx"]
+    engine = {k: v for k, v in (engine | fixed).items() if v is not None}
+    spec = {k: options[k] for k in LLM_OPTIONS if k in options}
     with Console(stderr=True).status("loading model"):
-        return LLM(
-            model,
-            backend=backend,
-            speculative=speculative,
-            draft_model=draft_model,
-            num_draft_tokens=num_draft_tokens,
-            **overrides,
-        )
+        return LLM(options.get("model"), backend=options["backend"], **spec, **engine)
 
 
 @app.command()
@@ -142,19 +138,7 @@ def generate(
         max_tokens=max_tokens,
         stop=stop or [],
     )
-    llm = _llm(
-        model,
-        backend,
-        threads=threads,
-        dtype=dtype,
-        kv_cache_mb=kv_cache_mb,
-        max_model_len=ctx,
-        verbose=verbose,
-        llamacpp_type=llamacpp_type,
-        speculative=speculative,
-        draft_model=draft_model,
-        num_draft_tokens=num_draft_tokens,
-    )
+    llm = _llm(locals())
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
@@ -207,19 +191,7 @@ def chat(
     num_draft_tokens: DraftTokensOpt = 4,
 ):
     """Interactive chat with history, formatted by the model's chat template."""
-    llm = _llm(
-        model,
-        backend,
-        threads=threads,
-        dtype=dtype,
-        kv_cache_mb=kv_cache_mb,
-        max_model_len=ctx,
-        verbose=verbose,
-        llamacpp_type=llamacpp_type,
-        speculative=speculative,
-        draft_model=draft_model,
-        num_draft_tokens=num_draft_tokens,
-    )
+    llm = _llm(locals())
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     run_chat(llm, params, system)
 
@@ -247,20 +219,7 @@ def serve(
     num_draft_tokens: DraftTokensOpt = 4,
 ):
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /metrics)."""
-    llm = _llm(
-        model,
-        backend,
-        threads=threads,
-        dtype=dtype,
-        kv_cache_mb=kv_cache_mb,
-        max_num_seqs=max_num_seqs,
-        max_model_len=ctx,
-        verbose=verbose,
-        llamacpp_type=llamacpp_type,
-        speculative=speculative,
-        draft_model=draft_model,
-        num_draft_tokens=num_draft_tokens,
-    )
+    llm = _llm(locals())
     name = served_model_name or model or "smollm2-135m"
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (backend {llm.backend_name})", err=True)
     run_server(llm, ServerConfig(host, port, name, api_key, max_waiting))
@@ -300,16 +259,7 @@ def bench(
         target = loadgen.HTTPTarget(url, served_model_name or model or "smollm2-135m", api_key)
         tok, where = load_model(model).tokenizer, url
     else:
-        llm = _llm(
-            model,
-            backend,
-            threads=threads,
-            dtype=dtype,
-            kv_cache_mb=kv_cache_mb,
-            max_num_seqs=max(levels),
-            verbose=verbose,
-            llamacpp_type=llamacpp_type,
-        )
+        llm = _llm(locals(), max_num_seqs=max(levels))
         target = loadgen.EngineTarget(AsyncEngine(llm.engine))
         tok, where = llm.tokenizer, f"in-process {llm.backend_name} engine"
     work = loadgen.make_workload(tok, num_requests, prompt_len, output_len, dist, seed, prompt_file)
@@ -354,15 +304,7 @@ def eval_ppl(
     max_tokens: Annotated[int | None, typer.Option(help="score only the first N tokens")] = None,
 ):
     """Perplexity on a built-in text or a file (sliding window)."""
-    llm = _llm(
-        model,
-        backend,
-        threads=threads,
-        dtype=dtype,
-        verbose=verbose,
-        llamacpp_type=llamacpp_type,
-        max_num_batched_tokens=ctx,
-    )
+    llm = _llm(locals(), max_num_batched_tokens=ctx, max_model_len=None)
     tokens = llm.tokenizer.encode(load_text(text), add_special_tokens=False)[:max_tokens]
     r = perplexity(llm.score, tokens, ctx, stride, progress=True)
     Console().print(
