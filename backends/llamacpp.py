@@ -252,6 +252,7 @@ class LlamaCppBackend:
 
         quiet_logs(llama_cpp, config.verbose)
         self.ll = llama_cpp
+        self.path = Path(gguf_path)  # the file llama.cpp runs
         self.verbose = config.verbose
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size

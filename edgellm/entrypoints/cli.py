@@ -76,7 +76,7 @@ MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to ge
 SpecOpt = Annotated[str, typer.Option("--speculative", help="ngram | draft | off")]
 DraftOpt = Annotated[str | None, typer.Option("--draft-model", help="draft model (same tokenizer)")]
 DraftTokensOpt = Annotated[
-    int, typer.Option("--num-draft-tokens", help="most tokens drafted a step")
+    int | None, typer.Option("--num-draft-tokens", help="most tokens drafted a step (default 4)")
 ]
 ModelArg = Annotated[str | None, typer.Argument(help="GGUF file, HF directory or short name")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="replace the output if it exists")]
@@ -123,7 +123,7 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     speculative: SpecOpt = "off",
     draft_model: DraftOpt = None,
-    num_draft_tokens: DraftTokensOpt = 4,
+    num_draft_tokens: DraftTokensOpt = None,
 ):
     """Complete PROMPT (streamed to stdout)."""
     if prompt == "-":
@@ -188,7 +188,7 @@ def chat(
     seed: int | None = None,
     speculative: SpecOpt = "off",
     draft_model: DraftOpt = None,
-    num_draft_tokens: DraftTokensOpt = 4,
+    num_draft_tokens: DraftTokensOpt = None,
 ):
     """Interactive chat with history, formatted by the model's chat template."""
     llm = _llm(locals())
@@ -216,7 +216,7 @@ def serve(
     max_waiting: Annotated[int, typer.Option(help="queued requests beyond this get 429")] = 256,
     speculative: SpecOpt = "off",
     draft_model: DraftOpt = None,
-    num_draft_tokens: DraftTokensOpt = 4,
+    num_draft_tokens: DraftTokensOpt = None,
 ):
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /metrics)."""
     llm = _llm(locals())

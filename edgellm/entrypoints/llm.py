@@ -31,7 +31,8 @@ class LLM:
             into a cache) or "torch" (the CPU reference).
         speculative: "off", "ngram" (prompt lookup), "draft" (a small model with the same
             tokenizer, `draft_model`), or a SpeculativeConfig.
-        num_draft_tokens: the most tokens a sequence drafts per step (adapted to acceptance).
+        num_draft_tokens: the most tokens a sequence drafts per step (adapted to acceptance;
+            default: SpeculativeConfig's).
         config: an EngineConfig; keyword arguments override its fields (`kv_cache_mb`,
             `max_model_len`, `max_num_seqs`, `dtype`, `threads`, ...; see EngineConfig).
     """
@@ -42,15 +43,14 @@ class LLM:
         backend: str = "auto",
         speculative: str | SpeculativeConfig = "off",
         draft_model: str | None = None,
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int | None = None,
         config: EngineConfig | None = None,
         **overrides,
     ):
-        spec = (
-            speculative
-            if isinstance(speculative, SpeculativeConfig)
-            else SpeculativeConfig(speculative, num_draft_tokens, draft_model)
-        )
+        spec = speculative
+        if not isinstance(spec, SpeculativeConfig):
+            k = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
+            spec = SpeculativeConfig(speculative, draft_model=draft_model, **k)
         self.config = (config or EngineConfig()).replace(**overrides, speculative=spec)
         self.backend_name = resolve_backend(backend)
         self.loaded = load_model(model)
