@@ -18,7 +18,8 @@ STATUS = r"ttft \d+ ms · [\d.]+ tok/s"
 def repl():
     child = pexpect.spawn(
         EDGELLM,
-        ["chat", "--temperature", "0", "--max-tokens", "96", "--system", "You are a poet."],
+        # room for a long answer: Ctrl-C must land while it streams (~50 tok/s on F16)
+        ["chat", "--temperature", "0", "--max-tokens", "400", "--system", "You are a poet."],
         encoding="utf-8",
         timeout=120,
         dimensions=(40, 200),
