@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,9 @@ def status_line(m: RequestMetrics) -> str:
 
 
 def run_chat(llm, params: SamplingParams, system: str | None = None) -> None:
+    # Ctrl-C stops an answer even when the shell started us with SIGINT ignored (a job
+    # started with `&` by a non-interactive shell inherits SIG_IGN, and Python keeps it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     err = Console(stderr=True, highlight=False)
     session = ChatSession(system)
     err.print(f"[dim]backend {llm.backend_name} · {HELP}[/dim]")
