@@ -50,10 +50,29 @@ def status_line(m: RequestMetrics) -> str:
     return " · ".join(parts)
 
 
+class Interrupt:
+    """Ctrl-C while an answer streams sets a flag the stream loop reads between tokens: a
+    KeyboardInterrupt raised at an arbitrary point inside the engine or llama.cpp could
+    leave block tables or cells half-updated. At the prompt it raises as usual."""
+
+    def __init__(self):
+        self.streaming = False
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.streaming:
+            self.requested = True
+            return
+        raise KeyboardInterrupt
+
+
+INTERRUPT = Interrupt()
+
+
 def run_chat(llm, params: SamplingParams, system: str | None = None) -> None:
-    # Ctrl-C stops an answer even when the shell started us with SIGINT ignored (a job
-    # started with `&` by a non-interactive shell inherits SIG_IGN, and Python keeps it)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # our own handler, also when the shell started us with SIGINT ignored (a job started
+    # with `&` by a non-interactive shell inherits SIG_IGN, and Python keeps it)
+    signal.signal(signal.SIGINT, INTERRUPT)
     err = Console(stderr=True, highlight=False)
     session = ChatSession(system)
     err.print(f"[dim]backend {llm.backend_name} · {HELP}[/dim]")
@@ -71,7 +90,10 @@ def run_chat(llm, params: SamplingParams, system: str | None = None) -> None:
             if _command(line, session, llm, err):
                 break
             continue
-        _turn(llm, session, line, params, err)
+        try:
+            _turn(llm, session, line, params, err)
+        except KeyboardInterrupt:  # between the prompt and the answer: no turn happened
+            err.print("[dim]stopped[/dim]")
 
 
 def _command(line: str, session: ChatSession, llm, err) -> bool:
@@ -126,17 +148,19 @@ def _turn(llm, session: ChatSession, line: str, params: SamplingParams, err) -> 
 def _answer(llm, messages: list[dict], params: SamplingParams) -> tuple[str, bool]:
     parts = []
     stream = None
-    stopped = False
-    try:  # Ctrl-C may come while the prompt is formatted, before any token
+    INTERRUPT.streaming, INTERRUPT.requested = True, False
+    try:  # Ctrl-C (at any point, even before the first token) is seen between tokens
         stream = llm.stream_chat(messages, params)
         for delta in stream:
+            if INTERRUPT.requested:
+                break
             parts.append(delta)
             sys.stdout.write(delta)
             sys.stdout.flush()
-    except KeyboardInterrupt:
-        stopped = True
+    finally:
+        INTERRUPT.streaming = False
         if stream is not None:
-            stream.close()  # aborts the request and frees its KV blocks
+            stream.close()  # aborts the request (if unfinished) and frees its KV blocks
     sys.stdout.write("\n")
     sys.stdout.flush()
-    return "".join(parts), stopped
+    return "".join(parts), INTERRUPT.requested
