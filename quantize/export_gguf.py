@@ -26,7 +26,7 @@ import torch
 from rich.progress import Progress
 
 from edgellm.errors import InvalidParameterError
-from edgellm.fsutil import atomic_path
+from edgellm.fsutil import atomic_path, check_output
 from edgellm.loaders.gguf import gguf_name
 from edgellm.loaders.gguf_tokenizer import gguf_vocab
 from edgellm.loaders.model import LoadedModel, load_model
@@ -34,7 +34,7 @@ from edgellm.models import gguf_architecture
 from edgellm.models.llama import rope_inv_freq
 from edgellm.quantize.format import read_quant_config, unpack_int32
 from edgellm.quantize.rtn import QuantConfig, dequantize
-from edgellm.registry import cache_dir
+from edgellm.registry import cache_dir, resolve_model
 
 Q = gguf.GGMLQuantizationType
 EXPORT_TYPES = ("auto", "q4_0", "q4_1", "q8_0", "f16")
@@ -348,10 +348,11 @@ def export_gguf(
 ) -> Path:
     """Write MODEL (an edgellm INT4 checkpoint, an HF directory or a GGUF) as one GGUF file."""
 
+    out = Path(out)
+    check_output(out, force, source=resolve_model(model))
     loaded = load_model(model)
     exp = GGUFExport(loaded, out_type)
     plans = exp.plan()
-    out = Path(out)
     with atomic_path(out, force=force) as tmp:
         w = gguf.GGUFWriter(str(tmp), exp.arch)
         write_metadata(w, exp, loaded.path.stem if loaded.path.is_file() else loaded.path.name)

@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from edgellm.errors import InvalidParameterError
-from edgellm.fsutil import atomic_path
+from edgellm.fsutil import atomic_path, check_output
 from edgellm.loaders.model import load_model
+from edgellm.registry import resolve_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -22,6 +23,7 @@ def convert_to_hf(
 
     if dtype not in DTYPES:
         raise InvalidParameterError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    check_output(out_dir, force, source=resolve_model(model), is_dir=True)
     loaded = load_model(model)
     args = loaded.args
     names = [

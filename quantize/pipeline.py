@@ -38,6 +38,7 @@ from edgellm.quantize.checkpoint import CheckpointWriter
 from edgellm.quantize.gptq import HessianAccumulator, gptq_quantize
 from edgellm.quantize.layerwise import LayerRunner, capture_inputs, embed, load_layer, set_weight
 from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, quantize_rtn
+from edgellm.registry import resolve_model
 from edgellm.version import __version__
 
 METHODS = ("rtn", "awq", "gptq")
@@ -182,7 +183,7 @@ def quantize(
 
     opts = options or QuantizeOptions()
     t0 = time.perf_counter()
-    check_output(Path(out_dir), force)
+    check_output(out_dir, force, source=resolve_model(model), is_dir=True)
     loaded = load_model(model)
     args = loaded.args
     check_shapes(args, opts.qconfig)
