@@ -13,6 +13,11 @@ those cells:
   lseqs (again by `seq_cp`), one block per position per keeper, so a later prefix
   hit finds them; without a free keeper the block leaves the prefix cache
   (`BlockManager.uncache`); then `llama_memory_seq_rm` frees the sequence's cells;
+- keepers hold at most `EngineConfig.llamacpp_keep_tokens` cells: in the unified
+  cache every used cell is inside every sequence's attention window (masked, but
+  computed without flash attention), so kept cells slow every request. Past the
+  budget the least recently used kept block goes (the deepest position first: a
+  prefix hit needs the blocks before it), and leaves the prefix cache;
 - rejected speculative tokens are dropped with `seq_rm` from their position on;
 - a block id that is written anew invalidates keepers' stale cells for it.
 
@@ -66,8 +71,13 @@ class _LSeq:
 class CellMap:
     """Engine sequences and cached blocks -> llama.cpp sequence ids and their cells."""
 
-    def __init__(self, ll, mem, block_size: int, n_live: int, n_keepers: int):
+    def __init__(
+        self, ll, mem, block_size: int, n_live: int, n_keepers: int, keep_tokens: int = 1024
+    ):
         self.ll, self.mem, self.bs = ll, mem, block_size
+        self.keep_blocks = keep_tokens // block_size  # budget of blocks kept by keepers
+        self.kept: dict[tuple[int, int], tuple[int, int]] = {}  # (keeper, index) -> (use, block)
+        self._clock = 0  # ticks once per ended sequence and per prefix hit
         self.free_lseqs = list(range(n_live - 1, -1, -1))
         self.live: dict[int, _LSeq] = {}  # engine seq_id -> its lseq
         self.keepers = [_LSeq(n_live + i) for i in range(n_keepers)]
@@ -127,6 +137,9 @@ class CellMap:
                 src = self._holder(self.cow_src[b], i, s.lseq, p1)
             if src is None:
                 raise LlamaCppError(f"no llama.cpp cells hold block {seq.block_table[i]}")
+            if (src, i) in self.kept:  # a prefix hit: the kept block is in use again
+                self._clock += 1
+                self.kept[src, i] = (self._clock, self.kept[src, i][1])
             self.ll.llama_memory_seq_cp(self.mem, src, s.lseq, p0, p1)
         s.n_cells = end
 
@@ -155,10 +168,7 @@ class CellMap:
     def _evict_stale(self, block: int, keep: int) -> None:
         for k in self.keepers:
             if k.lseq != keep and block in k.table:
-                i = k.table.index(block)
-                self._rm(k.lseq, i * self.bs, (i + 1) * self.bs)
-                k.table[i] = None
-                self.holders.get(block, set()).discard(k.lseq)
+                self._drop_kept(k, k.table.index(block))
         for s in self.live.values():
             s.left.pop(block, None)
 
@@ -184,7 +194,9 @@ class CellMap:
         self.free_lseqs.append(s.lseq)
 
     def _keep_cached(self, s: _LSeq) -> None:
-        """Move the sequence's cached full blocks that no one else holds to keepers."""
+        """Move the sequence's cached full blocks that no one else holds to keepers, within
+        the budget: older kept blocks make room, this sequence's deeper blocks do not."""
+        self._clock += 1
         for i, b in enumerate(s.table[: s.n_cells // self.bs]):
             full = (i + 1) * self.bs
             if b not in self.cached or self._holder(b, i, s.lseq, full) is not None:
@@ -192,7 +204,7 @@ class CellMap:
             keeper = next(
                 (k for k in self.keepers if len(k.table) <= i or k.table[i] is None), None
             )
-            if keeper is None:
+            if keeper is None or not self._make_room():
                 self.uncache(b)
                 continue
             self.ll.llama_memory_seq_cp(
@@ -201,6 +213,31 @@ class CellMap:
             keeper.table += [None] * (i + 1 - len(keeper.table))
             keeper.table[i] = b
             self.holders.setdefault(b, set()).add(keeper.lseq)
+            self.kept[keeper.lseq, i] = (self._clock, b)
+
+    def _make_room(self) -> bool:
+        """Whether one more block may be kept, evicting the least recently used kept block
+        (deepest first among equals) when the budget is full; never one kept just now."""
+        if len(self.kept) < self.keep_blocks:
+            return True
+        if not self.kept:
+            return False
+        (lseq, i), (used, _) = min(self.kept.items(), key=lambda kv: (kv[1][0], -kv[0][1]))
+        if used == self._clock:
+            return False
+        self._drop_kept(self.by_lseq[lseq], i)
+        return True
+
+    def _drop_kept(self, k: _LSeq, i: int) -> None:
+        """A keeper gives up its block at position `i`; the block leaves the prefix cache
+        unless a running sequence still holds its cells."""
+        block = k.table[i]
+        self._rm(k.lseq, i * self.bs, (i + 1) * self.bs)
+        k.table[i] = None
+        self.kept.pop((k.lseq, i), None)
+        self.holders.get(block, set()).discard(k.lseq)
+        if block in self.cached and self._holder(block, i, k.lseq, (i + 1) * self.bs) is None:
+            self.uncache(block)
 
     def _rm(self, lseq: int, p0: int, p1: int) -> None:
         if not self.ll.llama_memory_seq_rm(self.mem, lseq, p0, p1):
@@ -269,7 +306,14 @@ class LlamaCppBackend:
         self.max_num_batched_tokens = self.n_batch = config.max_num_batched_tokens
         self.flash_attn = config.flash_attn
         self._load(Path(gguf_path), n_live)
-        self.cells = CellMap(llama_cpp, self.mem, config.block_size, n_live, MAX_SEQ - n_live)
+        self.cells = CellMap(
+            llama_cpp,
+            self.mem,
+            config.block_size,
+            n_live,
+            MAX_SEQ - n_live,
+            config.llamacpp_keep_tokens,
+        )
         self._batch = b = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         # numpy views of the batch's arrays, made once: every step fills them
         view = np.ctypeslib.as_array

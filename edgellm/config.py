@@ -67,6 +67,10 @@ class EngineConfig:
         verbose: let backends' own libraries log (llama.cpp prints to stderr).
         llamacpp_type: the weights llama.cpp runs (see LLAMACPP_TYPES).
         flash_attn: llama.cpp's flash-attention kernels (off, as llama-cpp-python's `Llama`).
+        llamacpp_keep_tokens: K/V cells llama.cpp keeps for the prefix cache once their
+            sequences end; beyond them the least recently used blocks leave the cache. Its
+            unified cache makes every kept cell part of every sequence's attention window
+            (masked), so an unbounded cache slows every request as it fills.
         speculative: speculative decoding (off by default).
     """
 
@@ -81,6 +85,7 @@ class EngineConfig:
     verbose: bool = False
     llamacpp_type: str = "auto"
     flash_attn: bool = False
+    llamacpp_keep_tokens: int = 1024
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -101,6 +106,8 @@ class EngineConfig:
                 f"unknown llama.cpp type {self.llamacpp_type!r} "
                 f"(choose from {', '.join(LLAMACPP_TYPES)})"
             )
+        if self.llamacpp_keep_tokens < 0:
+            raise InvalidParameterError("llamacpp_keep_tokens must be >= 0")
         if self.threads is not None and self.threads < 1:
             raise InvalidParameterError("threads must be >= 1")
 

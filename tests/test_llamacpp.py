@@ -106,6 +106,10 @@ def assert_no_cells(llm) -> None:
             assert lo <= held[0] * bm.block_size and hi == (held[-1] + 1) * bm.block_size - 1
     assert bm.num_free == bm.num_blocks
     engine.block_manager.check_invariants([])
+    kept = {(k.lseq, i): b for k in cells.keepers for i, b in enumerate(k.table) if b is not None}
+    assert kept == {key: b for key, (_, b) in cells.kept.items()}
+    assert len(kept) <= cells.keep_blocks
+    assert all(bm.is_cached(b) for b in kept.values())  # nothing kept that the cache forgot
 
 
 def test_greedy_equals_llama(llm, reference):
@@ -228,3 +232,37 @@ def test_auto_runs_the_default_model_from_its_f16_export(smollm2_path):
     assert f16 != smollm2_path and f16 == gguf_for(loaded, "f16")  # one cached export
     types = {t.tensor_type for t in gguf.GGUFReader(f16).tensors if t.name.endswith("q.weight")}
     assert types == {gguf.GGMLQuantizationType.F16}
+
+
+def test_kept_cells_stay_within_budget_least_recent_going_first(smollm2_path):
+    """Past `llamacpp_keep_tokens` the least recently used blocks leave the prefix cache, so
+    kept cells (in every sequence's attention window) stay bounded; recent prefixes still
+    hit, and a prefix hit makes its blocks recent again."""
+    from edgellm.entrypoints.llm import LLM
+
+    small = LLM(
+        str(smollm2_path),
+        backend="llamacpp",
+        llamacpp_type="file",
+        kv_cache_mb=64,
+        threads=2,
+        llamacpp_keep_tokens=256,  # 16 blocks
+    )
+    tok = small.tokenizer
+    prompts = [
+        tok.encode(f"Note {i}: " + "the quick brown fox jumps over the lazy dog. " * 5)
+        for i in range(8)
+    ]  # ~55 tokens: 3 full blocks each
+    small.generate(prompts[:2], greedy(4))
+    small.generate(prompts[:1], greedy(4))  # prompt 0 used again: recent
+    for p in prompts[2:6]:  # 18 blocks for a budget of 16: two go
+        small.generate([p], greedy(4))
+    assert_no_cells(small)
+    cells = small.engine.backend.cells
+    assert len(cells.kept) == cells.keep_blocks
+    # newest first: a miss would keep its own blocks and evict older ones
+    hits = {i: small.generate([prompts[i]], greedy(1))[0].num_cached_tokens for i in (5, 4, 0, 1)}
+    assert hits[5] == hits[4] == 48  # the most recent prompts still hit
+    assert hits[0] == 48  # used again after prompt 1: outlived it
+    assert hits[1] == 16  # the least recent lost its deepest blocks, kept its first
+    assert_no_cells(small)
