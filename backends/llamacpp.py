@@ -41,6 +41,7 @@ import torch
 from edgellm.backends.base import kv_bytes_per_token
 from edgellm.config import EngineConfig, kv_pool_blocks
 from edgellm.errors import EdgeLLMError, InvalidParameterError
+from edgellm.loaders.gguf_header import scan_gguf
 from edgellm.loaders.model import LoadedModel
 from edgellm.models.llama import ModelArgs
 from edgellm.quantize.export_gguf import cached_gguf
@@ -329,6 +330,7 @@ class LlamaCppBackend:
     def _load(self, path: Path, n_seq: int) -> None:
         ll = self.ll
         ll.llama_backend_init()
+        scan_gguf(path)  # llama.cpp aborts the process on some lies: check what it will read
         mparams = ll.llama_model_default_params()
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:

@@ -91,6 +91,7 @@ class ModelArgs:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        self.rms_norm_eps, self.rope_theta = float(self.rms_norm_eps), float(self.rope_theta)
         if self.model_type not in FAMILY:
             raise UnsupportedArchitectureError(f"unsupported architecture {self.model_type!r}")
         if not self.head_dim:
@@ -102,19 +103,9 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArgs:
-        """Build from a config.json dict; unknown keys are ignored."""
-        model_type = config.get("model_type", "")
-        if model_type not in FAMILY:
-            raise UnsupportedArchitectureError(
-                f"unsupported architecture {model_type!r} (supported: {', '.join(FAMILY)})"
-            )
-        names = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in config.items() if k in names and k != "extra"}
-        kw.update(_hf_rope(config))
-        kw["qkv_bias"] = config.get("attention_bias", FAMILY[model_type]["qkv_bias"])
-        if kw.get("head_dim") is None:
-            kw.pop("head_dim", None)
-        return cls(**kw)
+        """Build from a config.json dict; unknown keys are ignored. Trusts the values:
+        loaders check a file's with `edgellm.loaders.validate` first."""
+        return cls(**hf_fields(config))
 
     def to_hf_config(self) -> dict:
         """The config.json transformers expects for this model."""
@@ -148,6 +139,24 @@ class ModelArgs:
         return cfg
 
 
+def hf_fields(config: dict) -> dict:
+    """ModelArgs fields from a config.json dict, values as stored (not yet checked)."""
+    model_type = config.get("model_type", "")
+    if not isinstance(model_type, str) or model_type not in FAMILY:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {model_type!r} (supported: {', '.join(FAMILY)})"
+        )
+    names = {f.name for f in fields(ModelArgs)} - {"extra"}
+    kw = {k: v for k, v in config.items() if k in names}
+    if kw.get("num_key_value_heads") is None:  # HF's default: no grouped-query attention
+        kw["num_key_value_heads"] = config.get("num_attention_heads")
+    kw.update(_hf_rope(config))
+    kw["qkv_bias"] = config.get("attention_bias", FAMILY[model_type]["qkv_bias"])
+    if kw.get("head_dim") is None:
+        kw.pop("head_dim", None)
+    return kw
+
+
 def _hf_rope(config: dict) -> dict:
     """rope_theta/rope_scaling from either the v4 keys or v5's `rope_parameters`."""
     params = config.get("rope_parameters") or {}
@@ -155,9 +164,34 @@ def _hf_rope(config: dict) -> dict:
     scaling = config.get("rope_scaling")
     if params and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
-    return {"rope_theta": float(theta), "rope_scaling": scaling}
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor `Model(args)` loads (its state dict), without
+    building it: loaders hold a file's tensors against this before anything is built."""
+    d, f, v = args.hidden_size, args.intermediate_size, args.vocab_size
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    layer = {
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    if args.qkv_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,)}
+        layer |= {"self_attn.v_proj.bias": (kv,)}
+    shapes = {"model.embed_tokens.weight": (v, d)}
+    for i in range(args.num_hidden_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes | {"model.norm.weight": (d,), "lm_head.weight": (v, d)}
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:  # [head_dim // 2]

@@ -30,7 +30,11 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32) -> torc
         raise ModelFormatError(
             f"{loaded.path} is missing tensors: {', '.join(sorted(missing)[:5])}"
         )
-    model.load_state_dict({k: weights[k] for k in expected}, assign=True, strict=True)
+    try:
+        model.load_state_dict({k: weights[k] for k in expected}, assign=True, strict=True)
+    except RuntimeError as e:  # shapes the checkpoint's config does not explain
+        first = str(e).strip().splitlines()[-1].strip()
+        raise ModelFormatError(f"{loaded.path}: tensors do not fit the config: {first}") from e
     model.inv_freq = module.rope_inv_freq(loaded.args)  # buffers are not in the state dict
     if loaded.args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -4,11 +4,16 @@ Config comes from the GGUF metadata, tensors are renamed to Hugging Face names
 and dequantized on access with gguf-py's codecs. llama.cpp's converter permutes
 the rows of q/k for the llama architecture (interleaved RoPE); we undo that so
 the model runs with HF's rotate-half RoPE and matches transformers.
+
+Nothing in a file is trusted: `gguf_header` scans the header with every length bounded
+by the file before gguf-py reads it, and `validate` holds the metadata against the
+tensors before anything is built.
 """
 
 from __future__ import annotations
 
 import re
+from functools import cache
 from pathlib import Path
 
 import gguf
@@ -16,11 +21,11 @@ import numpy as np
 import torch
 
 from edgellm.errors import ModelFormatError, UnsupportedArchitectureError
+from edgellm.loaders.gguf_header import scan_gguf
+from edgellm.loaders.validate import Naming, check_weights, model_args, show
 from edgellm.loaders.weights import TensorInfo
 from edgellm.models import get_model_module, gguf_architecture, model_type_of_gguf
 from edgellm.models.llama import ModelArgs
-
-GGUF_MAGIC = b"GGUF"
 
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -52,29 +57,33 @@ def gguf_name(hf: str, model_type: str) -> str | None:
     return None
 
 
-def open_gguf(path: str | Path):
-    """A `gguf.GGUFReader` over `path`, with clear errors for non-GGUF or truncated files."""
+# ModelArgs field -> GGUF metadata key, under `{general.architecture}.`
+GGUF_KEYS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length",
+    "vocab_size": "vocab_size",
+    "rope_scaling": "rope.scaling",
+}
+# tensors the file may hold that are not weights by HF name (read into ModelArgs instead)
+NON_WEIGHTS = {"rope_freqs.weight"}
 
+
+def open_gguf(path: str | Path):
+    """A `gguf.GGUFReader` over `path`, after a bounded scan of its header (`gguf_header`):
+    clear errors for non-GGUF, truncated or corrupt files before gguf-py allocates."""
     path = Path(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    scan_gguf(path)
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises assorted errors on corrupt headers
         raise ModelFormatError(f"{path} is a corrupt or truncated GGUF file ({e})") from e
-    _check_complete(reader, path)
-    return reader
-
-
-def _check_complete(reader, path: Path) -> None:
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelFormatError(
-                f"{path} is truncated: tensor {t.name} ends past the end of the file"
-            )
 
 
 def field_value(reader, key: str, default=None):
@@ -82,35 +91,73 @@ def field_value(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def gguf_model_args(reader) -> ModelArgs:
-    """ModelArgs from GGUF metadata (`{arch}.*` keys)."""
+def gguf_model_args(reader, path: str | Path = "the GGUF file") -> ModelArgs:
+    """ModelArgs from GGUF metadata (`{arch}.*` keys), every value checked (`validate`)."""
     arch = field_value(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFormatError(f"{path}: general.architecture is {show(arch)}, expected a string")
     model_type = model_type_of_gguf(arch)
-
-    def get(key, default=None):
-        return field_value(reader, f"{arch}.{key}", default)
-
-    n_heads = get("attention.head_count")
-    n_vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    naming = gguf_naming(reader, path, arch, model_type)
+    raw = {f: field_value(reader, f"{arch}.{key}") for f, key in GGUF_KEYS.items()}
+    raw = {f: v for f, v in raw.items() if v is not None}
+    raw.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
+    raw.setdefault("vocab_size", _token_count(reader))
+    raw.setdefault("head_dim", field_value(reader, f"{arch}.rope.dimension_count", 0))
     tensor_names = {t.name for t in reader.tensors}
-    return ModelArgs(
+    raw.update(
         model_type=model_type,
-        hidden_size=get("embedding_length"),
-        intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
-        num_attention_heads=n_heads,
-        num_key_value_heads=get("attention.head_count_kv", n_heads),
-        vocab_size=n_vocab,
-        head_dim=get("attention.key_length") or get("rope.dimension_count") or 0,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(reader, arch),
-        max_position_embeddings=get("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=field_value(reader, "tokenizer.ggml.eos_token_id"),
     )
+    args = model_args(raw, naming)
+    for key in ("rope.dimension_count", "attention.value_length"):
+        value = field_value(reader, f"{arch}.{key}", args.head_dim)
+        if value != args.head_dim:  # partial rotary / distinct V width: not this family
+            raise naming.error(f"{arch}.{key} is {show(value)}, expected {args.head_dim}")
+    return args
+
+
+def gguf_naming(reader, path: str | Path, arch: str, model_type: str) -> Naming:
+    """Errors about a GGUF file in its own words: metadata keys and llama.cpp tensor names."""
+    keys = {f: f"{arch}.{key}" for f, key in GGUF_KEYS.items()}
+    if f"{arch}.vocab_size" not in reader.fields:
+        keys["vocab_size"] = "the vocabulary size (length of tokenizer.ggml.tokens)"
+    keys["bos_token_id"] = "tokenizer.ggml.bos_token_id"
+    keys["eos_token_id"] = "tokenizer.ggml.eos_token_id"
+    return Naming(str(path), keys, lambda hf: gguf_name(hf, model_type) or hf)
+
+
+def _token_count(reader) -> int | None:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return None if tokens is None else len(tokens.data)
+
+
+def check_gguf_weights(reader, args: ModelArgs, source: GGUFSource, path: str | Path) -> None:
+    """The file's tensors are exactly those of `args`' model (`validate.check_weights`)."""
+    naming = gguf_naming(reader, path, gguf_architecture(args.model_type)[0], args.model_type)
+    for t in reader.tensors:
+        if t.name not in NON_WEIGHTS and hf_name(t.name, args.model_type) is None:
+            raise naming.error(f"unexpected tensor {t.name}")
+        if not readable(t.tensor_type):
+            raise naming.error(
+                f"tensor {t.name} has type {t.tensor_type.name}, which is not a weight type "
+                "gguf-py can decode"
+            )
+    check_weights(args, source, naming)
+
+
+@cache
+def readable(qtype: gguf.GGMLQuantizationType) -> bool:
+    """gguf-py can dequantize `qtype` (probed on one zero block: its public API only)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except (NotImplementedError, ValueError):
+        return False
+    return True
 
 
 def _gguf_rope_scaling(reader, arch: str) -> dict | None:
@@ -118,14 +165,24 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
         if t.name == "rope_freqs.weight":  # llama3-style scaling, stored precomputed
             return {
                 "rope_type": "freq_factors",
-                "freq_factors": np.asarray(t.data, np.float32).tolist(),
+                "freq_factors": _floats(t).tolist(),
             }
     kind = field_value(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": field_value(reader, f"{arch}.rope.scaling.factor")}
-    raise UnsupportedArchitectureError(f"unsupported GGUF rope scaling {kind!r}")
+    raise UnsupportedArchitectureError(f"unsupported GGUF rope scaling {show(kind)}")
+
+
+def _floats(t) -> np.ndarray:
+    """A tensor's values as float32 (flat); ModelFormatError for types gguf-py cannot decode."""
+    try:
+        return np.array(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+    except (NotImplementedError, ValueError) as e:
+        raise ModelFormatError(
+            f"tensor {t.name} has type {t.tensor_type.name}, which cannot be read ({e})"
+        ) from e
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -163,8 +220,7 @@ class GGUFSource:
 
         t = self._tensors[name]
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        w = w.reshape(shape)
+        w = torch.from_numpy(_floats(t)).reshape(shape)
         if self._permuted and name.endswith(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
         ):
