@@ -34,5 +34,10 @@ class InvalidParameterError(EdgeLLMError, ValueError):
     """An option has an impossible value (sampling, quantization, engine)."""
 
 
+class RequestFailedError(EdgeLLMError):
+    """One request failed inside the engine (non-finite logits from a broken model, an
+    internal error); the engine and the other requests go on."""
+
+
 class OutputExistsError(EdgeLLMError, FileExistsError):
     """The output path exists and overwriting was not asked for."""

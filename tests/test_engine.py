@@ -181,3 +181,21 @@ def test_closing_a_stream_early_aborts_and_keeps_the_partial_output():
         not llm.engine.requests
         and llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
     )
+
+
+def test_non_finite_logits_end_that_request_with_an_error_only():
+    """A NaN in the model (here: the embedding of byte 7) fails the sequences it reaches with
+    finish_reason "error", never a token drawn from NaN; other requests in the same batch
+    finish exactly as without it."""
+    clean, bad_prompt = [[1, 2, 3, 4] * 5, [9, 8, 6] * 7], [5, 6, 7, 8] * 5
+    params = SamplingParams(max_tokens=6, temperature=0)
+    want = tokens(run_all(tiny_engine(), clean, params))
+    engine = tiny_engine()
+    with torch.no_grad():
+        engine.backend.model.model.embed_tokens.weight[7] = float("nan")
+    outs = run_all(engine, [clean[0], bad_prompt, clean[1]], params)
+    assert tokens([outs[0], outs[2]]) == want
+    failed = outs[1].outputs[0]
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert "NaN logits" in failed.error
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks

@@ -10,8 +10,9 @@ import httpx
 import openai
 import pytest
 
-from edgellm.entrypoints.async_engine import AsyncEngine
-from edgellm.entrypoints.serve import ServerThread, build_app
+from edgellm.entrypoints.async_engine import AsyncEngine, QueueFullError
+from edgellm.entrypoints.serve import ServerConfig, ServerThread, build_app, classify
+from edgellm.errors import ContextLengthError, InvalidParameterError
 from edgellm.sampling.params import SamplingParams
 from tests.conftest import run_all, tiny_engine
 
@@ -21,7 +22,7 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server():
     aeng = AsyncEngine(tiny_engine(kv_cache_mb=4.0, block_size=4))
-    with ServerThread(build_app(aeng, MODEL)) as srv:
+    with ServerThread(build_app(aeng, ServerConfig(model_name=MODEL))) as srv:
         srv.aeng = aeng
         yield srv
     aeng.shutdown()
@@ -148,7 +149,7 @@ def test_stop_n_seed_and_logprobs(server, reference):
 
 # ---- errors ------------------------------------------------------------------------------------
 def post(srv, path: str, body, **kw) -> httpx.Response:
-    if isinstance(body, bytes):
+    if not isinstance(body, dict):  # raw bytes, or an iterator of them (sent chunked)
         return httpx.post(
             srv.url + path, content=body, headers={"content-type": "application/json"}, **kw
         )
@@ -162,7 +163,7 @@ def post(srv, path: str, body, **kw) -> httpx.Response:
         ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n must"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n:"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
@@ -186,7 +187,7 @@ def test_context_overflow_through_the_client(server):
 def test_api_key():
     aeng = AsyncEngine(tiny_engine())
     try:
-        with ServerThread(build_app(aeng, MODEL, api_key="s3cret")) as srv:
+        with ServerThread(build_app(aeng, ServerConfig(model_name=MODEL, api_key="s3cret"))) as srv:
             body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
             assert post(srv, "/v1/completions", body).status_code == 401
             bad = {"authorization": "Bearer nope"}
@@ -211,7 +212,7 @@ def test_full_queue_is_429():
             )
 
     try:
-        with ServerThread(build_app(aeng, MODEL)) as srv:
+        with ServerThread(build_app(aeng, ServerConfig(model_name=MODEL))) as srv:
             replies = asyncio.run(main(srv.url))
             m = wait_idle(aeng)
     finally:
@@ -221,6 +222,123 @@ def test_full_queue_is_429():
     refused = next(r for r in replies if r.status_code == 429)
     assert refused.json()["error"]["type"] == "rate_limit_error"
     assert m["blocks_used"] == 0
+
+
+# ---- hostile input ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("temperature", 1e9),
+        ("temperature", 2.5),
+        ("top_k", 2**63),
+        ("top_k", -2),
+        ("top_p", 1.5),
+        ("min_p", 1.5),
+        ("n", 129),
+        ("n", 65),  # more than the engine's max_num_seqs (64)
+        ("max_tokens", -1),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 2.5),
+        ("logprobs", 21),
+        ("stop", ["a", "b", "c", "d", "e"]),
+        ("stop", "x" * 300),
+    ],
+)
+def test_out_of_range_fields_are_400(server, field, value):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert field.split("_")[0] in err["message"] and err["type"] == "invalid_request_error"
+
+
+CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": %s}]}'
+
+
+@pytest.mark.parametrize(
+    "path, raw, needle",
+    [
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": Infinity}', "temp"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temp"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": -Infinity}', "top_p"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["\\udfff"]}', "stop.0"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": "\\udfff"}', "stop"),
+        ("/v1/chat/completions", CHAT % b'"hi \\ud800"', "messages.0.content"),
+        ("/v1/chat/completions", CHAT % b'[{"type": "text", "text": "\\udc00"}]', "messages.0"),
+        ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', "model"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "\\ud800": 1}', "Unicode"),
+    ],
+)
+def test_non_finite_numbers_and_lone_surrogates_are_400(server, path, raw, needle):
+    r = post(server, path, raw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_extreme_seeds_with_n_work_beside_a_stream(server, reference):
+    """n > 1 with the largest and smallest 64-bit seeds (the first overflowed the children's
+    seeds and failed every stream in the step); a concurrent stream completes correctly."""
+    ref = reference("Once upon a time", 40)
+    stream = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0}
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {"model": MODEL, "messages": msgs, "max_tokens": 6, "n": 2, "temperature": 1.0}
+
+    async def streamed(http: httpx.AsyncClient) -> str:
+        text = ""
+        async with http.stream("POST", "/v1/completions", json=stream | {"stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            seeded = [chat | {"seed": s} for s in (2**64 - 1, 2**64 - 1, -(2**63))]
+            return await asyncio.gather(
+                streamed(http), *(http.post("/v1/chat/completions", json=b) for b in seeded)
+            )
+
+    text, *replies = asyncio.run(main(server.url))
+    assert text == ref.outputs[0].text
+    assert [r.status_code for r in replies] == [200, 200, 200], replies[0].text
+    texts = [[c["message"]["content"] for c in r.json()["choices"]] for r in replies]
+    assert texts[0] == texts[1] and len(texts[0]) == 2  # seeded: reproducible
+
+
+def test_large_bodies_are_413_before_parsing(server):
+    aeng = server.aeng  # a second app on the same engine, with a 64 KiB limit
+    with ServerThread(build_app(aeng, ServerConfig(model_name=MODEL, max_body_mb=1 / 16))) as srv:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 70_000}).encode()
+        r = post(srv, "/v1/completions", big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        chunks = (big[i : i + 8192] for i in range(0, len(big), 8192))  # no Content-Length
+        r = post(srv, "/v1/completions", chunks)
+        assert r.status_code == 413
+        small = {"model": MODEL, "prompt": "x" * 60_000}  # under the limit, over the context
+        r = post(srv, "/v1/completions", small)
+        assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+        ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert post(srv, "/v1/completions", ok).status_code == 200
+
+
+def test_errors_are_4xx_for_the_client_and_bare_500_otherwise():
+    assert classify(InvalidParameterError("top_k is bad")) == (
+        400,
+        "top_k is bad",
+        "invalid_request_error",
+        "invalid_parameter",
+    )
+    assert classify(QueueFullError("full"))[0] == 429
+    assert classify(ContextLengthError("too long"))[:2] == (400, "too long")
+    secret = RuntimeError("CUDA error at /home/build/kernels.cu:42")
+    assert classify(secret) == (500, "internal server error", "server_error", None)
+    assert classify(ValueError("numpy said no"))[0] == 500  # not one of ours: not the client's
 
 
 # ---- disconnects and load ----------------------------------------------------------------------
@@ -305,7 +423,7 @@ def test_smollm2_chat_equals_llm_chat():
     want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24))[0]
     aeng = AsyncEngine(llm.engine)
     try:
-        with ServerThread(build_app(aeng, "smollm2-135m")) as srv:
+        with ServerThread(build_app(aeng, ServerConfig(model_name="smollm2-135m"))) as srv:
             r = client(srv).chat.completions.create(
                 model="smollm2-135m", messages=messages, max_tokens=24, temperature=0
             )
@@ -355,3 +473,31 @@ def test_serve_command_binds_loopback_and_requires_key(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_model_computing_nan_fails_that_request_with_a_500_only():
+    """Non-finite logits (here: byte 7's embedding is NaN) end that request with a 500 and
+    our own message, streamed or not; a request that never meets the NaN is served."""
+    import torch
+
+    engine = tiny_engine(kv_cache_mb=4.0, block_size=4)
+    with torch.no_grad():
+        engine.backend.model.model.embed_tokens.weight[7] = float("nan")
+    aeng = AsyncEngine(engine)
+    try:
+        with ServerThread(build_app(aeng, ServerConfig(model_name=MODEL))) as srv:
+            bad = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 4}
+            r = post(srv, "/v1/completions", bad)
+            assert r.status_code == 500
+            assert r.json()["error"]["code"] == "request_failed"
+            assert "NaN logits" in r.json()["error"]["message"]
+            with httpx.stream(
+                "POST", srv.url + "/v1/completions", json={**bad, "stream": True}
+            ) as s:
+                events = [line for line in s.iter_lines() if line.startswith("data: ")]
+            assert any("NaN logits" in e for e in events)
+            good = post(srv, "/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 3})
+            assert good.status_code == 200 and good.json()["choices"][0]["text"] is not None
+            assert wait_idle(aeng)["blocks_used"] == 0
+    finally:
+        aeng.shutdown()

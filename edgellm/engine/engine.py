@@ -11,6 +11,7 @@ sequence the same way. Without a speculator nothing is proposed.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from edgellm.engine.stop import holdback, stop_reason, truncate_at_stop
 from edgellm.errors import ContextLengthError, InvalidParameterError
 from edgellm.sampling.params import SamplingParams
 from edgellm.sampling.sampler import make_generator, process_logits, sample_token, top_logprobs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,6 +93,11 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
+        if params.n > self.config.max_num_seqs:  # its completions must run side by side
+            raise InvalidParameterError(
+                f"n={params.n} is more than the {self.config.max_num_seqs} sequences that run at "
+                "once (max_num_seqs)"
+            )
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
@@ -97,7 +105,8 @@ class Engine:
             set() if params.ignore_eos else self.tokenizer.stop_ids
         )
         req = Request(request_id, text, ids, params, stop_ids=frozenset(stop))
-        seq = Sequence(request_id, list(ids), params, generator=make_generator(params.seed))
+        generator = make_generator(child_seed(params.seed, 0))
+        seq = Sequence(request_id, list(ids), params, generator=generator)
         seq.pending_forks = params.n - 1
         self._track(req, seq)
         self.requests[request_id] = req
@@ -198,6 +207,7 @@ class Engine:
         proposals: dict[int, Proposal],
     ) -> list[StreamDelta]:
         rows = torch.split(logits, [item.logit_rows for item in scheduled])
+        finite = bool(torch.isfinite(logits).all())
         touched: dict[str, Request] = {}
         for item, r in zip(scheduled, rows, strict=True):
             seq = item.seq
@@ -206,16 +216,33 @@ class Engine:
                 self.block_manager.commit(seq, computed)
                 continue
             req = touched[seq.request_id] = self.requests[seq.request_id]
-            proposal = proposals.get(seq.seq_id)
-            if proposal is not None:
-                self._settle_drafts(req, seq, computed, r, proposal)
+            if not finite and not bool(torch.isfinite(r).all()):
+                self._fail(seq, _non_finite(seq, r))
                 continue
-            is_decode = item.is_decode
-            for s in [seq, *self._fork(req, seq)]:  # children share the prompt, not its token
-                self._advance(req, s, computed, [self._sample(s, r[0])], r)
-            if is_decode and self.speculator is not None:
-                self.speculator.record(seq, 0, 0, 1)
+            try:
+                self._settle(req, item, computed, r, proposals.get(seq.seq_id))
+            except Exception as e:  # one request's failure (a sampler error) is its own
+                log.exception("request %s failed", seq.request_id)
+                self._fail(seq, f"internal error while sampling ({type(e).__name__})")
         return [d for req in touched.values() for d in self._deltas(req)]
+
+    def _settle(
+        self,
+        req: Request,
+        item: ScheduledSeq,
+        computed: int,
+        rows: torch.Tensor,
+        proposal: Proposal | None,
+    ) -> None:
+        """Choose the sequence's next token(s) from its logits and move it on."""
+        seq = item.seq
+        if proposal is not None:
+            self._settle_drafts(req, seq, computed, rows, proposal)
+            return
+        for s in [seq, *self._fork(req, seq)]:  # children share the prompt, not its token
+            self._advance(req, s, computed, [self._sample(s, rows[0])], rows)
+        if item.is_decode and self.speculator is not None:
+            self.speculator.record(seq, 0, 0, 1)
 
     def _settle_drafts(
         self, req: Request, seq: Sequence, computed: int, rows: torch.Tensor, p: Proposal
@@ -296,6 +323,14 @@ class Engine:
             return "stop"
         return reason
 
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """End a sequence with finish_reason "error" and why; the others run on. This
+        step's K/V are not committed (never prefix-cached) and no token is drawn."""
+        seq.error = error
+        seq.spec_token_ids = []
+        seq.pending_forks = 0
+        self._finish(seq, "error")
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self._release(seq)
@@ -321,6 +356,7 @@ class Engine:
                         seq.output_text[start:end],
                         seq.output_ids,
                         seq.finish_reason,
+                        seq.error,
                     )
                 )
                 req.emitted[seq.seq_id] = max(end, start)
@@ -339,6 +375,7 @@ class Engine:
                 s.output_ids,
                 s.finish_reason,
                 s.logprobs if req.params.logprobs is not None else None,
+                s.error,
             )
             for s in seqs
         ]
@@ -417,5 +454,15 @@ class Engine:
 
 
 def child_seed(seed: int | None, index: int) -> int | None:
-    """The seed of the `index`-th of n completions (None stays unseeded)."""
+    """The seed of the `index`-th of n completions (None stays unseeded), reduced mod 2**63
+    so that any 64-bit seed, signed or not, fits torch's generator."""
     return None if seed is None else (seed + index) % 2**63
+
+
+def _non_finite(seq: Sequence, rows: torch.Tensor) -> str:
+    """Non-finite logits: a NaN row would otherwise sample token 0 or stop at once, silently."""
+    kind = "NaN" if bool(rows.isnan().any()) else "infinite"
+    return (
+        f"the model computed {kind} logits at token {len(seq)}; its weights or config "
+        "produce non-finite values"
+    )

@@ -33,8 +33,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list | None = None  # per token: (logprob, {token_id: logprob})
+    error: str | None = None  # what went wrong, when finish_reason is "error"
 
 
 @dataclass(slots=True)
@@ -61,3 +62,4 @@ class StreamDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    error: str | None = None  # what went wrong, when finish_reason is "error"

@@ -40,7 +40,8 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
     generator: torch.Generator | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why, when finish_reason is "error"
     output_text: str = ""
     logprobs: list = field(default_factory=list)
     pending_forks: int = 0  # children to fork after the prompt is computed (n > 1)

@@ -213,7 +213,19 @@ def serve(
         str | None, typer.Option(envvar="EDGELLM_API_KEY", help="require this bearer key")
     ] = None,
     served_model_name: Annotated[str | None, typer.Option(help="model id clients use")] = None,
-    max_waiting: Annotated[int, typer.Option(help="queued requests beyond this get 429")] = 256,
+    max_waiting: Annotated[
+        int, typer.Option(help="sequences queued beyond --max-num-seqs; more get 429")
+    ] = 256,
+    max_body_mb: Annotated[
+        float, typer.Option(help="request bodies larger than this get 413")
+    ] = 8.0,
+    parse_special_tokens: Annotated[
+        bool,
+        typer.Option(
+            help="parse special-token text in chat messages as control tokens (lets a user "
+            "forge turns; off: only the chat template's markup is)"
+        ),
+    ] = False,
     speculative: SpecOpt = "off",
     draft_model: DraftOpt = None,
     num_draft_tokens: DraftTokensOpt = None,
@@ -222,7 +234,8 @@ def serve(
     llm = _llm(locals())
     name = served_model_name or model or "smollm2-135m"
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (backend {llm.backend_name})", err=True)
-    run_server(llm, ServerConfig(host, port, name, api_key, max_waiting))
+    config = ServerConfig(host, port, name, api_key, max_waiting, max_body_mb, parse_special_tokens)
+    run_server(llm, config)
 
 
 @app.command()

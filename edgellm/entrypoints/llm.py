@@ -12,7 +12,7 @@ from edgellm.backends.registry import build_backend, resolve_backend
 from edgellm.config import EngineConfig, SpeculativeConfig
 from edgellm.engine.engine import Engine
 from edgellm.engine.outputs import RequestOutput
-from edgellm.errors import InvalidParameterError
+from edgellm.errors import InvalidParameterError, RequestFailedError
 from edgellm.eval.perplexity import perplexity
 from edgellm.loaders.model import LoadedModel, load_model
 from edgellm.loaders.texts import load_text
@@ -89,7 +89,9 @@ class LLM:
             for rid in ids:
                 self.engine.abort(rid)
             raise
-        return [self.engine.pop_output(rid) for rid in ids]
+        outputs = [self.engine.pop_output(rid) for rid in ids]
+        raise_errors(outputs)
+        return outputs
 
     def chat(
         self,
@@ -115,6 +117,8 @@ class LLM:
                 for delta in self.engine.step():
                     if delta.request_id == rid and delta.index == 0 and delta.text:
                         yield delta.text
+                    if delta.request_id == rid and delta.error:
+                        raise RequestFailedError(delta.error)
         finally:  # also when the consumer stops early: the request is aborted, blocks freed
             self.last_output = self.engine.abort(rid)
 
@@ -148,6 +152,15 @@ def load_draft(
             "needs the same tokenizer"
         )
     return build_backend(backend, draft, config)
+
+
+def raise_errors(outputs: list[RequestOutput]) -> None:
+    """A completion that ended in an error (non-finite logits, an internal error) raises
+    rather than passing for a short answer."""
+    for out in outputs:
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                raise RequestFailedError(f"request {out.request_id}: {c.error}")
 
 
 def run_to_completion(engine: Engine, progress: bool = False, total: int = 0) -> None:

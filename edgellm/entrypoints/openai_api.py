@@ -8,13 +8,26 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgellm.engine.outputs import RequestOutput
 from edgellm.errors import ContextLengthError
-from edgellm.sampling.params import SamplingParams
+from edgellm.sampling.params import LIMITS, MAX_STOP, MAX_STOP_CHARS, SamplingParams
+
+
+def _limit(name: str, open_low: bool = False) -> Any:
+    """The bounds of SamplingParams' field `name` as a pydantic constraint."""
+    lo, hi = LIMITS[name]
+    low = {"gt": lo} if open_low else {"ge": lo}
+    return Field(**low, le=hi, **({"allow_inf_nan": False} if isinstance(lo, float) else {}))
+
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None
+Logprobs = Annotated[int, _limit("logprobs")] | None
+PositiveInt = Annotated[int, Field(ge=1)] | None
 
 
 class StreamOptions(BaseModel):
@@ -22,28 +35,73 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
+    """Fields of both endpoints, with SamplingParams' bounds (`LIMITS`)."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = 1
+    n: Annotated[int, _limit("n")] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    stop: Stop = None
+    max_tokens: PositiveInt = None
+    temperature: Annotated[float, _limit("temperature")] = 1.0
+    top_p: Annotated[float, _limit("top_p", open_low=True)] = 1.0
+    seed: Annotated[int, _limit("seed")] | None = None
+    presence_penalty: Annotated[float, _limit("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, _limit("frequency_penalty")] = 0.0
     # extensions (vLLM spells them the same way)
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: Annotated[int, _limit("top_k")] = 0
+    min_p: Annotated[float, _limit("min_p")] = 0.0
+    repetition_penalty: Annotated[float, _limit("repetition_penalty", open_low=True)] = 1.0
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} is not valid Unicode (a lone surrogate)")
+        return data
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """Where in parsed JSON a string (key or value) holds a lone surrogate, which JSON's
+    `\\ud800` escapes allow but UTF-8 cannot encode; None when there is none. (A loop, not
+    recursion: the nesting is the client's to choose.)"""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, str) and not _encodes(item):
+            return path
+        if isinstance(item, dict):
+            if not all(_encodes(k) for k in item if isinstance(k, str)):
+                return path
+            pairs = item.items()
+        elif isinstance(item, list):
+            pairs = enumerate(item)
+        else:
+            continue
+        todo += [
+            (f"{path}.{k}" if path else str(k), v)
+            for k, v in pairs
+            if isinstance(v, str | dict | list)
+        ]
+    return None
+
+
+def _encodes(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class ChatMessage(BaseModel):
@@ -55,9 +113,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: PositiveInt = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs = None
 
     def text_messages(self) -> list[dict]:
         """Messages as the chat template wants them (text parts of multi-part content joined)."""
@@ -69,8 +127,8 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
-    logprobs: int | None = None
+    prompt: str | Annotated[list[int], Field(min_length=1)]
+    logprobs: Logprobs = None
     echo: bool = False
 
     @property
@@ -93,8 +151,13 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams of a request; raises ContextLengthError when the output cannot fit."""
     room = max_model_len - prompt_len
+    if room < 1:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} (prompt plus at least one generated token must fit)"
+        )
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    if asked is not None and asked > room > 0:
+    if asked is not None and asked > room:
         raise ContextLengthError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{prompt_len} and {asked} more were requested ({prompt_len + asked} in all)"
@@ -110,7 +173,7 @@ def sampling_params(
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
-        max_tokens=asked if asked is not None else max(default, 1),
+        max_tokens=asked if asked is not None else default,
         stop=req.stop or [],
         ignore_eos=req.ignore_eos,
         logprobs=req.num_logprobs,

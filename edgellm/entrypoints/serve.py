@@ -4,12 +4,19 @@ Every request goes through the engine's continuous batching; a stream that the
 client leaves is cancelled by Starlette, which aborts the request and frees its
 KV blocks (`AsyncEngine.stream`'s `finally`). Non-streaming requests poll for a
 disconnect while they wait.
+
+The event loop never blocks: tokenization and chat-template rendering run in worker
+threads, the engine runs in its own (`AsyncEngine`), and bodies over
+`max_body_mb` are refused (413) before they are parsed. Every error becomes an
+OpenAI-style JSON body: 4xx for the client's fault, a bare 500 (traceback in the
+server's log) for ours.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import socket
 import threading
@@ -26,7 +33,15 @@ from starlette.exceptions import HTTPException
 from edgellm.engine.outputs import RequestOutput
 from edgellm.entrypoints import openai_api as oa
 from edgellm.entrypoints.async_engine import AsyncEngine, QueueFullError
-from edgellm.errors import ContextLengthError, InvalidParameterError, TokenizerError
+from edgellm.errors import (
+    ContextLengthError,
+    EdgeLLMError,
+    InvalidParameterError,
+    RequestFailedError,
+    TokenizerError,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -35,7 +50,11 @@ class ServerConfig:
     port: int = 8000
     model_name: str = "edgellm"
     api_key: str | None = None
-    max_waiting: int = 256  # more waiting requests than this get 429
+    max_waiting: int = 256  # sequences queued beyond max_num_seqs running; more get 429
+    max_body_mb: float = 8.0  # larger request bodies get 413, unread
+    # special-token text inside chat messages becomes control tokens (transformers' and
+    # vLLM's way, which lets a user forge a system turn); off: only the template's markup does
+    parse_special_tokens: bool = False
 
 
 class APIError(Exception):
@@ -45,12 +64,15 @@ class APIError(Exception):
 
 
 # ---- the app -----------------------------------------------------------------------------------
-def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `aeng` under the model id `model_name`."""
+def build_app(aeng: AsyncEngine, config: ServerConfig | str) -> FastAPI:
+    """The FastAPI app serving `aeng` as `config` says (a str: the model id, else defaults)."""
+    if isinstance(config, str):
+        config = ServerConfig(model_name=config)
     app = FastAPI(title="edgellm", docs_url=None, redoc_url=None)
-    state = _State(aeng, model_name)
-    auth = [Depends(_auth_dependency(api_key))]
+    state = _State(aeng, config)
+    auth = [Depends(_auth_dependency(config.api_key))]
     _add_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=int(config.max_body_mb * 2**20))
 
     @app.get("/health")
     async def health():
@@ -62,7 +84,7 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None) ->
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        card = {"id": model_name, "object": "model", "created": state.created}
+        card = {"id": config.model_name, "object": "model", "created": state.created}
         return {"object": "list", "data": [card | {"owned_by": "edgellm"}]}
 
     @app.post("/v1/chat/completions", dependencies=auth)
@@ -77,13 +99,15 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None) ->
 
 
 class _State:
-    """The handlers' shared state: the engine, the model id, the token-rate meter."""
+    """The handlers' shared state: the engine, the config, the token-rate meter."""
 
-    def __init__(self, aeng: AsyncEngine, model_name: str):
-        self.aeng, self.model_name = aeng, model_name
+    def __init__(self, aeng: AsyncEngine, config: ServerConfig):
+        self.aeng, self.config, self.model_name = aeng, config, config.model_name
         self.created = int(time.time())
         self.rate = TokenRate()
         self.max_model_len = aeng.engine.max_model_len
+        if not config.parse_special_tokens:  # build the plain-text encoder now, not in a request
+            aeng.tokenizer.encode("", parse_special=False)
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -97,10 +121,10 @@ class _State:
     async def chat(self, body: oa.ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         tok = self.aeng.tokenizer
-        text = tok.apply_chat_template(body.text_messages(), add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
+        parse = self.config.parse_special_tokens
+        ids = await asyncio.to_thread(tok.encode_chat, body.text_messages(), True, parse)
         params = oa.sampling_params(body, len(ids), self.max_model_len)
-        rid = self.aeng.add(ids, params, oa.new_id("chatcmpl"))
+        rid = await self.aeng.add(ids, params, oa.new_id("chatcmpl"))
         if body.stream:
             return _sse(self._chat_events(rid, body))
         out = await _collect(self.aeng, rid, request)
@@ -110,10 +134,12 @@ class _State:
         self._check_model(body.model)
         tok = self.aeng.tokenizer
         prompt = body.prompt
-        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = await asyncio.to_thread(tok.encode, prompt) if isinstance(prompt, str) else prompt
         params = oa.sampling_params(body, len(ids), self.max_model_len)
-        rid = self.aeng.add(ids, params, oa.new_id("cmpl"))
-        echo = (prompt if isinstance(prompt, str) else tok.decode(ids)) if body.echo else ""
+        echo = ""
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(tok.decode, ids)
+        rid = await self.aeng.add(ids, params, oa.new_id("cmpl"))
         if body.stream:
             return _sse(self._completion_events(rid, body, echo))
         out = await _collect(self.aeng, rid, request)
@@ -152,7 +178,10 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
         except Exception as e:  # headers are sent: report the failure in the stream
-            yield f"data: {json.dumps(oa.error_body(str(e), 'server_error'))}\n\n"
+            status, message, kind, code = classify(e)
+            if status >= 500:
+                log.error("a streamed request failed", exc_info=e)
+            yield f"data: {json.dumps(oa.error_body(message, kind, code))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
@@ -178,12 +207,51 @@ async def _collect(aeng: AsyncEngine, rid: str, request: Request) -> RequestOutp
             raise APIError(499, "the client closed the connection", "invalid_request_error")
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before anything parses it
+    (at once when Content-Length says so, else as soon as the streamed bytes pass it)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        body, size, more = [], 0, True
+        while more:  # read it all first (FastAPI would anyway), counting
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            body.append(message.get("body", b""))
+            size, more = size + len(body[-1]), message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+        whole = {"type": "http.request", "body": b"".join(body), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        message = f"the request body is larger than {self.max_bytes} bytes"
+        body = oa.error_body(message, "invalid_request_error", "request_too_large")
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
+def _replay(messages: list[dict], receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
+
+
 # ---- auth and errors ---------------------------------------------------------------------------
 def _auth_dependency(api_key: str | None):
     async def check(request: Request) -> None:
         if api_key is None:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        # constant time: the comparison must not tell how much of a guess was right
         if not secrets.compare_digest(given.encode(), api_key.encode()):
             raise APIError(
                 401, "invalid or missing API key", "authentication_error", "invalid_api_key"
@@ -196,17 +264,27 @@ _STATUS = [  # most specific first: QueueFullError is also an InvalidParameterEr
     (QueueFullError, 429, "rate_limit_error", "queue_full"),
     (ContextLengthError, 400, "invalid_request_error", "context_length_exceeded"),
     (InvalidParameterError, 400, "invalid_request_error", "invalid_parameter"),
-    (TokenizerError, 400, "invalid_request_error", "invalid_messages"),
+    (TokenizerError, 400, "invalid_request_error", "invalid_messages"),  # the chat template's
+    (RequestFailedError, 500, "server_error", "request_failed"),  # our own words, no internals
 ]
+
+
+def classify(e: Exception) -> tuple[int, str, str, str | None]:
+    """(status, message, type, code) of an error in a request: 4xx with its message when the
+    client caused it (one of ours that is a ValueError, or listed), else a bare 500."""
+    if isinstance(e, APIError):
+        return e.status, str(e), e.kind, e.code
+    for cls, status, kind, code in _STATUS:
+        if isinstance(e, cls):
+            return status, str(e), kind, code
+    if isinstance(e, EdgeLLMError) and isinstance(e, ValueError):
+        return 400, str(e), "invalid_request_error", None
+    return 500, "internal server error", "server_error", None
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     def reply(status: int, message: str, kind: str, code: str | None) -> JSONResponse:
         return JSONResponse(oa.error_body(message, kind, code), status_code=status)
-
-    @app.exception_handler(APIError)
-    async def api_error(_, e: APIError):
-        return reply(e.status, str(e), e.kind, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError):
@@ -216,12 +294,18 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_, e: HTTPException):
         return reply(e.status_code, str(e.detail), "invalid_request_error", None)
 
-    for cls, status, kind, code in _STATUS:
+    async def ours(_, e: Exception):
+        status, message, kind, code = classify(e)
+        if status >= 500:
+            log.error("a request failed", exc_info=e)
+        return reply(status, message, kind, code)
 
-        async def engine_error(_, e, status=status, kind=kind, code=code):
-            return reply(status, str(e), kind, code)
+    async def unexpected(_, e: Exception):  # Starlette re-raises it: uvicorn logs the traceback
+        return reply(*classify(e))
 
-        app.add_exception_handler(cls, engine_error)
+    app.add_exception_handler(APIError, ours)
+    app.add_exception_handler(EdgeLLMError, ours)
+    app.add_exception_handler(Exception, unexpected)
 
 
 def _validation_message(e: RequestValidationError) -> str:
@@ -280,7 +364,7 @@ def run_server(llm, config: ServerConfig) -> None:
     """Serve `llm` until interrupted (blocking)."""
 
     aeng = AsyncEngine(llm.engine, max_waiting=config.max_waiting)
-    app = build_app(aeng, config.model_name, config.api_key)
+    app = build_app(aeng, config)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level="info")
     finally:

@@ -8,11 +8,13 @@ the way transformers renders it) and an incremental detokenizer for streaming.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ CHATML_TEMPLATE = (
 )
 
 _NO_MAX_LENGTH = 10**12  # transformers writes 1e30 for "no limit"
+_SCAN_WINDOW = 1 << 14  # characters one regex call scans for special tokens' text
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,12 +157,36 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """Token ids of `text`; BOS/EOS are added only when the model asks for them.
 
-        Special tokens written in the text (e.g. `<|im_start|>`) become their ids.
+        Special tokens written in the text (e.g. `<|im_start|>`) become their ids, unless
+        `parse_special=False`, which encodes them as plain text. Other threads run while
+        a long text is encoded (`encode_batch` releases the GIL, `encode` does not).
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        backend = self.backend if parse_special else self._plain_backend
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token strings as plain text."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @cached_property
+    def _specials(self) -> dict[str, tuple[int, tokenizers.AddedToken]]:
+        """The special added tokens (id, token) by their text."""
+        added = self.backend.get_added_tokens_decoder().items()
+        return {t.content: (i, t) for i, t in added if t.special and t.content}
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        """Any special token's text (longest first), captured; None without special tokens."""
+        texts = sorted(self._specials, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; special tokens are kept unless asked otherwise."""
@@ -193,6 +220,82 @@ class Tokenizer:
             )
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        parse_special: bool = False,
+        **variables: Any,
+    ) -> list[int]:
+        """Token ids of the chat prompt for `messages` (BOS only where the template writes it).
+
+        Only the template's own markup becomes special tokens: a special token's text
+        inside a message's content (a user writing `<|im_start|>system`) is encoded as
+        plain text, as hosted APIs do, so that no message can forge a turn.
+        `parse_special=True` parses it as transformers and vLLM do.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        if parse_special or not any(map(self._special_spans, contents)):
+            return self.encode(text, add_special_tokens=False)
+        # Break every special string in the contents with a character the prompt lacks and
+        # render again: the special strings left are the template's own.
+        mark = _unused_char(text)
+        escaped = [
+            m | {"content": self._break_specials(m["content"], mark)}
+            if isinstance(m.get("content"), str)
+            else m
+            for m in messages
+        ]
+        rendered = self.apply_chat_template(escaped, add_generation_prompt, **variables)
+        return self._encode_around_specials(rendered, mark)
+
+    def _special_spans(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) of each special token's text in `text`, leftmost-longest. The regex
+        runs a window at a time: one long call would hold the GIL (and the server's loop)."""
+        if self._special_pattern is None:
+            return []
+        reach = max(map(len, self._specials)) - 1  # a match starting in a window ends by this
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        while pos < len(text):
+            stop = pos + _SCAN_WINDOW
+            for hit in self._special_pattern.finditer(text, pos, min(len(text), stop + reach)):
+                if hit.start() >= stop:
+                    break
+                spans.append(hit.span())
+            pos = max(stop, spans[-1][1] if spans else 0)
+        return spans
+
+    def _break_specials(self, text: str, mark: str) -> str:
+        """`text` with `mark` between the characters of every special token's text."""
+        out, prev = [], 0
+        for start, end in self._special_spans(text):
+            out += [text[prev:start], mark.join(text[start:end])]
+            prev = end
+        return "".join(out) + text[prev:]
+
+    def _encode_around_specials(self, text: str, mark: str) -> list[int]:
+        """The special tokens' text in `text` become their ids; the text between them (`mark`
+        removed) plain tokens, less the whitespace a neighbouring special token strips, as
+        when the tokenizer splits the text itself."""
+        spans = self._special_spans(text)
+        tokens = [self._specials[text[start:end]] for start, end in spans]
+        ids: list[int] = []
+        ends, starts = [0] + [e for _, e in spans], [s for s, _ in spans] + [len(text)]
+        gaps = zip(ends, starts, strict=True)
+        for k, (lo, hi) in enumerate(gaps):  # the text before special token k (and after all)
+            piece = text[lo:hi]
+            if k and tokens[k - 1][1].rstrip:
+                piece = piece.lstrip()
+            if k < len(spans) and tokens[k][1].lstrip:
+                piece = piece.rstrip()
+            if piece:
+                ids += self.encode(piece.replace(mark, ""), False, parse_special=False)
+            if k < len(spans):
+                ids.append(tokens[k][0])
+        return ids
 
     def _special_token_strings(self) -> dict[str, str]:
         names = {
@@ -298,6 +401,15 @@ def _stop_ids(
     named = (backend.token_to_id(token) for token in END_OF_TURN_TOKENS)
     candidates = [special.eos_id, special.eot_id, special.eom_id, *named, *extra]
     return {token_id for token_id in candidates if token_id is not None}
+
+
+def _unused_char(text: str) -> str:
+    """A private-use character that `text` does not contain."""
+    used = set(text)
+    for c in itertools.chain(range(0xE000, 0xF900), range(0xF0000, 0xFFFFE)):
+        if chr(c) not in used:
+            return chr(c)
+    raise TokenizerError("the prompt uses every private-use character")
 
 
 def _open_gguf(path: Path) -> gguf.GGUFReader:

@@ -1,10 +1,32 @@
-"""Sampling options of one request (validated on construction)."""
+"""Sampling options of one request (validated on construction).
+
+The bounds are those of OpenAI's API (temperature in [0, 2], penalties in [-2, 2],
+at most 4 stop strings) plus caps that keep hostile values out of the sampler;
+the server's request models declare the same bounds (`LIMITS`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from edgellm.errors import InvalidParameterError
+
+# every bound in one table: the server's pydantic models read it too
+LIMITS = {
+    "n": (1, 128),  # OpenAI's cap; the engine also holds n to max_num_seqs
+    "temperature": (0.0, 2.0),
+    "top_k": (-1, 2**31 - 1),  # -1 and 0 turn it off
+    "top_p": (0.0, 1.0),  # open at 0
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.0, 2.0),  # open at 0
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "seed": (-(2**63), 2**64 - 1),  # any 64-bit value, signed or not; reduced by the engine
+    "logprobs": (0, 20),
+}
+MAX_STOP = 4  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to it, as vLLM does
 
 
 @dataclass(slots=True)
@@ -13,7 +35,7 @@ class SamplingParams:
 
     n: int = 1
     temperature: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 (or -1): off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output
@@ -34,22 +56,37 @@ class SamplingParams:
         for check, msg in _CHECKS:
             if not check(self):
                 raise InvalidParameterError(f"invalid sampling parameters: {msg}")
+        self.top_k = max(self.top_k, 0)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # 1/t would overflow the logits
+            self.temperature = MIN_TEMPERATURE
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+def _within(name: str, open_low: bool = False):
+    lo, hi = LIMITS[name]
+
+    def check(p: SamplingParams) -> bool:
+        value = getattr(p, name)
+        if value is None:
+            return True
+        return (lo < value if open_low else lo <= value) and value <= hi
+
+    shown = f"({lo}, {hi}]" if open_low else f"[{lo}, {hi}]"
+    return check, f"{name} must be in {shown}"
+
+
+def _valid_stop(p: SamplingParams) -> bool:
+    return len(p.stop) <= MAX_STOP and all(len(s) <= MAX_STOP_CHARS for s in p.stop)
+
+
+_OPEN_LOW = ("top_p", "repetition_penalty")
+# comparisons are written so that NaN fails them
 _CHECKS = [
-    (lambda p: p.n >= 1, "n must be >= 1"),
-    (lambda p: p.temperature >= 0.0, "temperature must be >= 0"),
-    (lambda p: p.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
-    (lambda p: 0.0 < p.top_p <= 1.0, "top_p must be in (0, 1]"),
-    (lambda p: 0.0 <= p.min_p <= 1.0, "min_p must be in [0, 1]"),
-    (lambda p: p.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
-    (lambda p: -2.0 <= p.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-    (lambda p: -2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+    *(_within(name) for name in LIMITS if name not in _OPEN_LOW),
+    *(_within(name, open_low=True) for name in _OPEN_LOW),
     (lambda p: p.max_tokens >= 1, "max_tokens must be >= 1"),
-    (lambda p: p.logprobs is None or 0 <= p.logprobs <= 20, "logprobs must be in [0, 20]"),
-    (lambda p: p.seed is None or p.seed >= 0, "seed must be >= 0"),
+    (_valid_stop, f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters"),
 ]
