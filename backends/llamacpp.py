@@ -13,10 +13,10 @@ those cells:
   lseqs (again by `seq_cp`), one block per position per keeper, so a later prefix
   hit finds them; without a free keeper the block leaves the prefix cache
   (`BlockManager.uncache`); then `llama_memory_seq_rm` frees the sequence's cells;
-- keepers hold at most `EngineConfig.llamacpp_keep_tokens` cells: in the unified
-  cache every used cell is inside every sequence's attention window (masked, but
-  computed without flash attention), so kept cells slow every request. Past the
-  budget the least recently used kept block goes (the deepest position first: a
+- keepers hold at most `EngineConfig.keep_tokens` cells: in the unified cache
+  every used cell is inside every sequence's attention window (masked: skipped by
+  the flash-attention kernel, computed by the plain one), so kept cells slow every
+  request. Past the budget the least recently used kept block goes (the deepest position first: a
   prefix hit needs the blocks before it), and leaves the prefix cache;
 - rejected speculative tokens are dropped with `seq_rm` from their position on;
 - a block id that is written anew invalidates keepers' stale cells for it.
@@ -313,7 +313,7 @@ class LlamaCppBackend:
             config.block_size,
             n_live,
             MAX_SEQ - n_live,
-            config.llamacpp_keep_tokens,
+            config.keep_tokens,
         )
         self._batch = b = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         # numpy views of the batch's arrays, made once: every step fills them

@@ -55,7 +55,9 @@ class EdgeLLM:
 
         self.params = SamplingParams
         # No prefix caching: repeats of the same prompt must recompute it.
-        self.llm = LLM(backend="torch", dtype="float32", threads=threads, enable_prefix_caching=False)
+        self.llm = LLM(
+            backend="torch", dtype="float32", threads=threads, enable_prefix_caching=False
+        )
 
     def prefill_s(self, ids: list[int]) -> float:
         out = self.llm.generate([ids], self.params(temperature=0, max_tokens=1, ignore_eos=True))[0]

@@ -37,7 +37,14 @@ from bench_quant import float_gguf, linear_bits, llama_cpp_quantize  # noqa: E40
 def llama_decode(path: Path, ids: list[int], n: int, threads: int, repeats: int) -> list[float]:
     from llama_cpp import Llama
 
-    llm = Llama(str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = Llama(
+        str(path),
+        n_ctx=2048,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,  # as the backend: the same kernels on both sides
+        verbose=False,
+    )
     rates = []
     for _ in range(repeats):
         t0 = t1 = time.perf_counter()
@@ -102,7 +109,7 @@ def raw_batch_decode(path: Path, c: int, n: int, threads: int, prompt_len: int) 
     cp.n_batch = cp.n_ubatch = 512
     cp.n_seq_max, cp.kv_unified = max(c, 1), True
     cp.n_threads = cp.n_threads_batch = threads
-    cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as the backend and `Llama`
+    cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED  # as the backend
     ctx = ll.llama_init_from_model(model, cp)
     batch = ll.llama_batch_init(512, 0, 1)
 

@@ -65,9 +65,7 @@ def workload(n_chars: int = 900) -> list[tuple[str, str]]:
         (
             "edit-code",
             "Add a docstring line to every function below and return the full code unchanged "
-            "otherwise.\n\n"
-            + code_sample(proposers.find_last)
-            + code_sample(controller.choose_k),
+            "otherwise.\n\n" + code_sample(proposers.find_last) + code_sample(controller.choose_k),
         ),
         (
             "rename",

@@ -37,7 +37,7 @@ def reference(smollm2_path):
     """Llama's own greedy continuation (64 tokens) of each prompt's token ids."""
     from llama_cpp import Llama
 
-    ref = Llama(str(smollm2_path), n_ctx=512, n_threads=2, verbose=False)
+    ref = Llama(str(smollm2_path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
     out = {}
     for p in PROMPTS:
         ids = ref.tokenize(p.encode(), add_bos=False, special=True)
