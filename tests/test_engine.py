@@ -199,3 +199,20 @@ def test_non_finite_logits_end_that_request_with_an_error_only():
     assert failed.finish_reason == "error" and failed.token_ids == []
     assert "NaN logits" in failed.error
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_n_children_count_against_max_num_seqs_from_admission():
+    """A request's n sequences are admitted together: forking after the prompt never takes
+    the running set past max_num_seqs, and every completion still arrives."""
+    engine = tiny_engine(max_num_seqs=4)
+    params = SamplingParams(max_tokens=5, temperature=0.8, seed=1, n=3, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts(3)]
+    ids.append(engine.add_request(prompts(1, seed=9)[0], SamplingParams(max_tokens=5)))
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most <= 4
+    outs = [engine.pop_output(i) for i in ids]
+    assert [len(o.outputs) for o in outs] == [3, 3, 3, 1]
+    assert all(len(c.token_ids) == 5 for o in outs[:3] for c in o.outputs)

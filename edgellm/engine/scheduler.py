@@ -164,10 +164,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # a request with n > 1 forks its children when its prompt is computed: they count now
+        slots = sum(1 + s.pending_forks for s in self.running)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not bm.can_allocate(seq):
+            if slots + 1 + seq.pending_forks > self.config.max_num_seqs or not bm.can_allocate(seq):
                 break
+            slots += 1 + seq.pending_forks
             self.waiting.popleft()
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
