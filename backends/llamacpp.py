@@ -257,9 +257,12 @@ def gguf_for(loaded: LoadedModel, llamacpp_type: str) -> Path:
     kind = llamacpp_type
     if kind == "auto":
         kind = packaged_llamacpp_type(loaded.path) or "file"
-    if kind == "file":
-        return loaded.path if loaded.format == "gguf" else cached_gguf(loaded)
-    return cached_gguf(loaded, kind)
+    if kind == "file" and loaded.format == "gguf":
+        return loaded.path  # checked when it was loaded
+    # llama.cpp aborts the process on some lies: a cached export is checked like any file
+    path = cached_gguf(loaded) if kind == "file" else cached_gguf(loaded, kind)
+    scan_gguf(path)
+    return path
 
 
 _LOG = {"verbose": False, "callback": None}  # one callback per process; kept alive here
@@ -330,7 +333,6 @@ class LlamaCppBackend:
     def _load(self, path: Path, n_seq: int) -> None:
         ll = self.ll
         ll.llama_backend_init()
-        scan_gguf(path)  # llama.cpp aborts the process on some lies: check what it will read
         mparams = ll.llama_model_default_params()
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:

@@ -164,14 +164,18 @@ class Soak:
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             self.fail(f"{kind}: {type(e).__name__}: {e}")
 
+    def refused(self, r: httpx.Response, text: str) -> bool:
+        """Whether a good request got no answer: a full queue (counted) or a failure."""
+        if r.status_code == 429:
+            self.counts["queue_full"] += 1
+        elif r.status_code != 200:
+            self.fail(f"{r.status_code}: {text[:200]}")
+        return r.status_code != 200
+
     async def complete(self, client, body: dict, stream: bool) -> list[str] | None:
         if not stream:
             r = await client.post("/v1/chat/completions", json=body)
-            if r.status_code == 429:
-                self.counts["queue_full"] += 1
-                return None
-            if r.status_code != 200:
-                self.fail(f"{r.status_code}: {r.text[:200]}")
+            if self.refused(r, r.text):
                 return None
             return [
                 c["message"]["content"]
@@ -181,11 +185,7 @@ class Soak:
         async with client.stream(
             "POST", "/v1/chat/completions", json={**body, "stream": True}
         ) as r:
-            if r.status_code == 429:
-                self.counts["queue_full"] += 1
-                return None
-            if r.status_code != 200:
-                self.fail(f"stream {r.status_code}: {(await r.aread())[:200]!r}")
+            if r.status_code != 200 and self.refused(r, (await r.aread()).decode()):
                 return None
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
