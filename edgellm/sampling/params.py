@@ -64,6 +64,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on raw logits (no penalty changes them): the argmax of a whole batch of
+        rows, taken at once, is each row's token."""
+        return (
+            self.greedy
+            and self.repetition_penalty == 1.0
+            and not (self.presence_penalty or self.frequency_penalty)
+        )
+
 
 def _within(name: str, open_low: bool = False):
     lo, hi = LIMITS[name]

@@ -1,0 +1,180 @@
+/* Paged attention on the CPU: every query row of a step in one call.
+ *
+ * Row t belongs to sequence row_seq[t] and attends to that sequence's first row_len[t]
+ * cached keys (its own position included), so one call serves decodes, short prefill
+ * chunks and speculative verification rows alike, with causal masking inside a chunk
+ * for free. The work is split over (row, kv head) pairs with OpenMP (torch's own
+ * runtime: the library is loaded after torch, so the soname resolves to its libgomp and
+ * the two share one thread pool). Each pair reads its keys once for the whole group
+ * of query heads that share them (GQA). Scores are kept for the whole context, then
+ * softmaxed in fp32: two passes over K and V, no per-row allocation beyond a scratch
+ * buffer. Each row's result depends on its own inputs only, so a sequence gets the same
+ * bits alone or in any batch.
+ *
+ * Caches: [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (bf16 is widened
+ * to fp32 on load). q and out: [T, n_heads, head_dim] fp32.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#define DEFINE_ATTENTION(NAME, CT, LOAD)                                                   \
+    int NAME(const float *q, const CT *k_cache, const CT *v_cache,                         \
+             const int64_t *block_tables, const int64_t *row_seq, const int64_t *row_len,  \
+             float *out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t BS,         \
+             int64_t W, float scale) {                                                     \
+        const int64_t G = H / KVH;                                                         \
+        int64_t max_len = 0;                                                               \
+        for (int64_t t = 0; t < T; t++)                                                    \
+            if (row_len[t] > max_len) max_len = row_len[t];                                \
+        int failed = 0;                                                                    \
+        _Pragma("omp parallel") {                                                          \
+            float *scores = malloc(sizeof(float) * (size_t)(G * max_len + G * D + D + G));     \
+            if (!scores) {                                                                 \
+                _Pragma("omp atomic write") failed = 1;                                    \
+            } else {                                                                       \
+                float *acc = scores + G * max_len;                                         \
+                float *kv = acc + G * D;                                                   \
+                float *inv_sum = kv + D;                                                   \
+                _Pragma("omp for schedule(dynamic, 1)")                                    \
+                for (int64_t task = 0; task < T * KVH; task++) {                           \
+                    const int64_t t = task / KVH, h = task % KVH, n = row_len[t];          \
+                    const int64_t *table = block_tables + row_seq[t] * W;                  \
+                    const float *qh = q + (t * H + h * G) * D;                             \
+                    const CT *kb = k_cache, *vb = v_cache;                                 \
+                    for (int64_t j = 0; j < n; j++) {                                      \
+                        if (j % BS == 0) kb = k_cache + (table[j / BS] * BS * KVH + h) * D;  \
+                        const CT *kj = kb + (j % BS) * KVH * D;                            \
+                        for (int64_t d = 0; d < D; d++) kv[d] = LOAD(kj[d]);               \
+                        for (int64_t g = 0; g < G; g++) {                                  \
+                            const float *qg = qh + g * D;                                  \
+                            float s = 0.f;                                                 \
+                            _Pragma("omp simd reduction(+:s)")                             \
+                            for (int64_t d = 0; d < D; d++) s += qg[d] * kv[d];            \
+                            scores[g * max_len + j] = s * scale;                           \
+                        }                                                                  \
+                    }                                                                      \
+                    for (int64_t g = 0; g < G; g++) {                                      \
+                        float *sg = scores + g * max_len, m = -INFINITY, sum = 0.f;        \
+                        for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;         \
+                        for (int64_t j = 0; j < n; j++) {                                  \
+                            sg[j] = expf(sg[j] - m);                                       \
+                            sum += sg[j];                                                  \
+                        }                                                                  \
+                        inv_sum[g] = 1.f / sum;                                       \
+                        memset(acc + g * D, 0, sizeof(float) * (size_t)D);                 \
+                    }                                                                      \
+                    for (int64_t j = 0; j < n; j++) {                                      \
+                        if (j % BS == 0) vb = v_cache + (table[j / BS] * BS * KVH + h) * D;  \
+                        const CT *vj = vb + (j % BS) * KVH * D;                            \
+                        for (int64_t d = 0; d < D; d++) kv[d] = LOAD(vj[d]);               \
+                        for (int64_t g = 0; g < G; g++) {                                  \
+                            const float p = scores[g * max_len + j];                       \
+                            float *ag = acc + g * D;                                       \
+                            _Pragma("omp simd")                                            \
+                            for (int64_t d = 0; d < D; d++) ag[d] += p * kv[d];            \
+                        }                                                                  \
+                    }                                                                      \
+                    for (int64_t g = 0; g < G; g++) {                                      \
+                        float *o = out + (t * H + h * G + g) * D;                          \
+                        const float r = inv_sum[g];                                   \
+                        for (int64_t d = 0; d < D; d++) o[d] = acc[g * D + d] * r;         \
+                    }                                                                      \
+                }                                                                          \
+                free(scores);                                                              \
+            }                                                                              \
+        }                                                                                  \
+        return failed;                                                                     \
+    }
+
+#define LOAD_F32(x) (x)
+#define LOAD_BF16(x) bf16_to_f32(x)
+DEFINE_ATTENTION(paged_attention_f32, float, LOAD_F32)
+DEFINE_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16)
+
+/* Pin thread i of the OpenMP pool (torch's) to cpus[i % n], as vLLM does: the scheduler
+ * then never migrates a GEMM's threads between cores mid-step. Returns threads pinned. */
+int bind_threads(const int32_t *cpus, int32_t n) {
+    int pinned = 0;
+    _Pragma("omp parallel reduction(+:pinned)") {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus[omp_get_thread_num() % n], &set);
+        pinned += sched_setaffinity(0, sizeof set, &set) == 0;
+    }
+    return pinned;
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows M (at most LINEAR_MAX_ROWS): the
+ * decode of one or a few sequences, where the matmul is a stream over the weights. Each
+ * thread streams its own range of weight rows once; each 8-float slice of a weight row is
+ * loaded once and multiplied into M accumulators (M independent FMA chains). MKL's sgemv
+ * reaches about 14 GB/s of weights on the 2-core AVX2 machine this was written on; this
+ * loop runs at its read bandwidth (30-33 GB/s). */
+#define LINEAR_MAX_ROWS 8
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void row_dots(const float *x, const float *w,
+                                                           float *out, int64_t K, const int M) {
+    __m256 acc[LINEAR_MAX_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 wv = _mm256_loadu_ps(w + k);
+        for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, acc[m]);
+    }
+    for (int m = 0; m < M; m++) {
+        float s = hsum256(acc[m]);
+        for (int64_t kk = k; kk < K; kk++) s += x[m * K + kk] * w[kk];
+        out[m] = s;
+    }
+}
+#define ROW_DOTS(M) case M: row_dots(x0, wr, dots, K, M); break;
+#else
+static inline void row_dots_any(const float *x, const float *w, float *out, int64_t K, int M) {
+    for (int m = 0; m < M; m++) {
+        float s = 0.f;
+        _Pragma("omp simd reduction(+:s)")
+        for (int64_t k = 0; k < K; k++) s += x[m * K + k] * w[k];
+        out[m] = s;
+    }
+}
+#define ROW_DOTS(M) case M: row_dots_any(x0, wr, dots, K, M); break;
+#endif
+
+int linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                    int64_t N, int64_t K) {
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t n = 0; n < N; n++) {
+        const float *wr = w + n * K;  /* read from memory once, then from L1 */
+        const float b = bias ? bias[n] : 0.f;
+        for (int64_t m0 = 0; m0 < M; m0 += LINEAR_MAX_ROWS) {
+            const float *x0 = x + m0 * K;
+            const int rows = M - m0 < LINEAR_MAX_ROWS ? (int)(M - m0) : LINEAR_MAX_ROWS;
+            float dots[LINEAR_MAX_ROWS];
+            switch (rows) { ROW_DOTS(1) ROW_DOTS(2) ROW_DOTS(3) ROW_DOTS(4)
+                            ROW_DOTS(5) ROW_DOTS(6) ROW_DOTS(7) ROW_DOTS(8) }
+            for (int m = 0; m < rows; m++) y[(m0 + m) * N + n] = dots[m] + b;
+        }
+    }
+    return 0;
+}
