@@ -91,6 +91,12 @@ def library() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     lib.linear_rows_f32.argtypes = [ptr] * 4 + [i64] * 3
     lib.linear_rows_f32.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.add_rms_norm_f32.argtypes = [ptr] * 5 + [i64, i64, f32]
+    lib.rope_f32.argtypes = [ptr] * 4 + [i64] * 4
+    lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
+    for name in ("add_rms_norm_f32", "rope_f32", "silu_mul_f32"):
+        getattr(lib, name).restype = None
     lib.bind_threads.argtypes = [ptr, ctypes.c_int32]
     lib.bind_threads.restype = ctypes.c_int
     _state["status"] = "compiled C (OpenMP, -march=native)"
@@ -154,6 +160,35 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
     )  # fmt: skip
     return y
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + residual, RMSNorm of it), fp32 rows [T, D] (contiguous)."""
+    h, out = torch.empty_like(x), torch.empty_like(x)
+    t, d = x.shape
+    library().add_rms_norm_f32(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), h.data_ptr(), out.data_ptr(),
+        t, d, eps,
+    )  # fmt: skip
+    return h, out
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions, heads: int):
+    """Rotate the first `heads` heads of each row of qkv [T, W] in place; cos/sin [P, D]."""
+    t, width = qkv.shape
+    library().rope_f32(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+        t, width, heads, cos.shape[-1],
+    )  # fmt: skip
+    return qkv
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from [T, 2F] -> [T, F]."""
+    t, f2 = gate_up.shape
+    out = gate_up.new_empty(t, f2 // 2)
+    library().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, f2 // 2)
+    return out
 
 
 def row_metadata(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

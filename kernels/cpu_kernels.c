@@ -149,6 +149,33 @@ static inline __attribute__((always_inline)) void row_dots(const float *x, const
     }
 }
 #define ROW_DOTS(M) case M: row_dots(x0, wr, dots, K, M); break;
+
+/* Two weight rows against 8 input rows: 16 accumulators, each x slice loaded once for
+ * both rows and each w slice once for all 8 rows: the loop is bound by FMAs, not loads. */
+static inline void row_dots_2x8(const float *x, const float *w0, const float *w1, float *d0,
+                                float *d1, int64_t K) {
+    __m256 a0[8], a1[8];
+    for (int m = 0; m < 8; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k);
+        for (int m = 0; m < 8; m++) {
+            const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+            a0[m] = _mm256_fmadd_ps(xv, u, a0[m]);
+            a1[m] = _mm256_fmadd_ps(xv, v, a1[m]);
+        }
+    }
+    for (int m = 0; m < 8; m++) {
+        float s0 = hsum256(a0[m]), s1 = hsum256(a1[m]);
+        for (int64_t kk = k; kk < K; kk++) {
+            s0 += x[m * K + kk] * w0[kk];
+            s1 += x[m * K + kk] * w1[kk];
+        }
+        d0[m] = s0;
+        d1[m] = s1;
+    }
+}
+#define HAVE_2X8 1
 #else
 static inline void row_dots_any(const float *x, const float *w, float *out, int64_t K, int M) {
     for (int m = 0; m < M; m++) {
@@ -164,17 +191,83 @@ static inline void row_dots_any(const float *x, const float *w, float *out, int6
 int linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M,
                     int64_t N, int64_t K) {
     _Pragma("omp parallel for schedule(static)")
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = 0; n < N; n += 2) {
+        const int pair = n + 1 < N;
         const float *wr = w + n * K;  /* read from memory once, then from L1 */
-        const float b = bias ? bias[n] : 0.f;
         for (int64_t m0 = 0; m0 < M; m0 += LINEAR_MAX_ROWS) {
             const float *x0 = x + m0 * K;
             const int rows = M - m0 < LINEAR_MAX_ROWS ? (int)(M - m0) : LINEAR_MAX_ROWS;
-            float dots[LINEAR_MAX_ROWS];
-            switch (rows) { ROW_DOTS(1) ROW_DOTS(2) ROW_DOTS(3) ROW_DOTS(4)
-                            ROW_DOTS(5) ROW_DOTS(6) ROW_DOTS(7) ROW_DOTS(8) }
-            for (int m = 0; m < rows; m++) y[(m0 + m) * N + n] = dots[m] + b;
+            float dots[LINEAR_MAX_ROWS], dots1[LINEAR_MAX_ROWS];
+#ifdef HAVE_2X8
+            if (rows == 8 && pair) {
+                row_dots_2x8(x0, wr, wr + K, dots, dots1, K);
+            } else
+#endif
+            {
+                for (int r = 0; r <= pair; r++) {
+                    const float *wr_ = wr + r * K;
+                    float *out = r ? dots1 : dots;
+                    { const float *wr = wr_; float *dots = out;
+                      switch (rows) { ROW_DOTS(1) ROW_DOTS(2) ROW_DOTS(3) ROW_DOTS(4)
+                                      ROW_DOTS(5) ROW_DOTS(6) ROW_DOTS(7) ROW_DOTS(8) } }
+                }
+            }
+            for (int m = 0; m < rows; m++) {
+                y[(m0 + m) * N + n] = dots[m] + (bias ? bias[n] : 0.f);
+                if (pair) y[(m0 + m) * N + n + 1] = dots1[m] + (bias ? bias[n + 1] : 0.f);
+            }
         }
     }
     return 0;
+}
+
+/* ---- the elementwise glue between the matmuls, one pass each (fp32) -------------------- */
+
+/* h = x + r; out = w * h / sqrt(mean(h^2) + eps), per row (RMSNorm after a residual add). */
+void add_rms_norm_f32(const float *x, const float *r, const float *w, float *h, float *out,
+                      int64_t T, int64_t D, float eps) {
+    _Pragma("omp parallel for schedule(static) if (T > 1)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * D, *rt = r + t * D;
+        float *ht = h + t * D, *ot = out + t * D;
+        float ss = 0.f;
+        _Pragma("omp simd reduction(+:ss)")
+        for (int64_t d = 0; d < D; d++) {
+            ht[d] = xt[d] + rt[d];
+            ss += ht[d] * ht[d];
+        }
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < D; d++) ot[d] = w[d] * (ht[d] * inv);
+    }
+}
+
+/* RoPE (rotate-half) in place on the first `heads` heads of each row of qkv [T, stride]:
+ * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin rows [P, D] of the positions. */
+void rope_f32(float *qkv, const float *cos, const float *sin, const int64_t *pos, int64_t T,
+              int64_t stride, int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    _Pragma("omp parallel for schedule(static) if (T > 1)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *x = qkv + t * stride + hd * D;
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+    }
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, F + i]: the MLP's gate. */
+void silu_mul_f32(const float *gu, float *out, int64_t T, int64_t F) {
+    _Pragma("omp parallel for schedule(static) if (T > 1)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * F, *u = g + F;
+        float *o = out + t * F;
+        for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
 }

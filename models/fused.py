@@ -13,6 +13,7 @@ hold this module to it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,19 +131,21 @@ class FusedLayer(nn.Module):
         self.down_proj = _fast(mlp.down_proj)
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
+        self.eps = layer.input_layernorm.eps
+        self.glue = TORCH_GLUE
 
-    def forward(self, x, cos, sin, kv_cache, plan: StepPlan) -> torch.Tensor:
-        h = x + self.o_proj(self.attend(self.input_layernorm(x), cos, sin, kv_cache, plan))
-        gate, up = self.gate_up(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x, residual, rope: Rope, kv_cache, plan: StepPlan):
+        """(x, residual) -> (x', residual'): the layer's input is x + residual, its output
+        x' + residual', so each residual add runs inside the next norm's kernel."""
+        g = self.glue
+        h, n = g.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
+        o = self.o_proj(self.attend(n, rope, kv_cache, plan))
+        h, n = g.add_rms_norm(h, o, self.post_attention_layernorm.weight, self.eps)
+        return h, self.down_proj(g.silu_mul(self.gate_up(n)))
 
-    def attend(self, x, cos, sin, kv_cache, plan: StepPlan) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        qkv = self.qkv(x)  # [T, (H + 2 KVH) D]
-        qk = qkv[:, : (self.n_heads + self.n_kv_heads) * d].view(t, -1, d)
-        qk = qk * cos + _rotate_half(qk) * sin  # q and k heads rotated together
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        v = qkv[:, (self.n_heads + self.n_kv_heads) * d :].view(t, self.n_kv_heads, d)
+    def attend(self, x, rope: Rope, kv_cache, plan: StepPlan) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.glue.rope_qkv(self.qkv(x), rope, self.n_heads, self.n_kv_heads)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, plan.meta.slot_mapping)
         return self._attention(q, k_cache, v_cache, plan).reshape(t, -1)
@@ -169,9 +172,67 @@ class FusedLayer(nn.Module):
         return out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+# ---- the elementwise glue between the matmuls -------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """This step's rotary tables: the whole [P, D] tables and the rows' positions; `rows`
+    gives the gathered [T, 1, D] rows (for the torch glue)."""
+
+    cos: torch.Tensor  # [P, D]
+    sin: torch.Tensor  # [P, D]
+    positions: torch.Tensor  # [T] int64
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[self.positions][:, None], self.sin[self.positions][:, None]
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    """(x + residual, RMSNorm of it) as `RMSNorm` computes it (fp32 statistics)."""
+    h = x + residual
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return h, weight * normed.to(h.dtype)
+
+
+def _split_qkv(qkv, n_heads: int, n_kv_heads: int, d: int):
+    t = qkv.shape[0]
+    q = qkv[:, : n_heads * d].view(t, n_heads, d)
+    k = qkv[:, n_heads * d : (n_heads + n_kv_heads) * d].view(t, n_kv_heads, d)
+    return q, k, qkv[:, (n_heads + n_kv_heads) * d :].view(t, n_kv_heads, d)
+
+
+def rope_qkv(qkv, rope: Rope, n_heads: int, n_kv_heads: int):
+    """q, k rotated (HF rotate-half) and v, from the fused projection [T, (H + 2 KVH) D]."""
+    cos, sin = rope.rows()
+    t, d = qkv.shape[0], cos.shape[-1]
+    qk = qkv[:, : (n_heads + n_kv_heads) * d].view(t, -1, d)
+    x1, x2 = qk.chunk(2, dim=-1)
+    qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin  # q and k heads rotated together
+    v = qkv[:, (n_heads + n_kv_heads) * d :].view(t, n_kv_heads, d)
+    return qk[:, :n_heads], qk[:, n_heads:], v
+
+
+def silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+def _rope_qkv_c(qkv, rope: Rope, n_heads: int, n_kv_heads: int):
+    cpu.rope_(qkv, rope.cos, rope.sin, rope.positions, n_heads + n_kv_heads)  # in place
+    return _split_qkv(qkv, n_heads, n_kv_heads, rope.cos.shape[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class Glue:
+    add_rms_norm: Callable
+    rope_qkv: Callable
+    silu_mul: Callable
+
+
+# torch ops (any dtype), and our C loops: one pass each instead of 3-8 ops, which on a few
+# rows cost more in dispatch and thread wake-ups than in arithmetic
+TORCH_GLUE = Glue(add_rms_norm, rope_qkv, silu_mul)
+C_GLUE = Glue(cpu.add_rms_norm, _rope_qkv_c, cpu.silu_mul)
 
 
 class FusedModel(nn.Module):
@@ -190,9 +251,13 @@ class FusedModel(nn.Module):
         dtype = self.model.embed_tokens.weight.dtype
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * model.inv_freq[None, :]  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [P, 1, D]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        c_glue = self.use_kernel and dtype == torch.float32
+        self.glue = C_GLUE if c_glue else TORCH_GLUE
+        for layer in self.model.layers:
+            layer.glue = self.glue
 
     def forward(
         self,
@@ -204,9 +269,11 @@ class FusedModel(nn.Module):
     ) -> torch.Tensor:  # [N, vocab] float32
         plan = StepPlan.build(meta, self.use_kernel and cpu.supports(kv_caches[0][0]))
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.cos[positions], self.sin[positions]
+        residual = torch.zeros_like(h)
+        rope = Rope(self.cos, self.sin, positions)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv, plan)
+            h, residual = layer(h, residual, rope, kv, plan)
         if logits_indices is not None:
-            h = h[logits_indices]
-        return self.lm_head(self.model.norm(h)).float()
+            h, residual = h[logits_indices], residual[logits_indices]
+        norm = self.model.norm
+        return self.lm_head(self.glue.add_rms_norm(h, residual, norm.weight, norm.eps)[1]).float()
