@@ -13,6 +13,7 @@ hold this module to it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,7 +31,8 @@ from edgellm.kernels.paged_attention import (
 from edgellm.models.llama import Model
 
 KERNEL_MAX_CHUNK = 64  # prefill chunks up to this many rows go through the kernel
-SMALL_M = 8  # matmuls of up to this many rows stream the weights through our kernel
+SMALL_M = 8  # matmuls of up to this many rows always stream the weights through our kernel
+TUNE_M = (16, 32, 64)  # larger batches: our kernel or MKL, whichever this machine runs faster
 
 
 @dataclass(slots=True)
@@ -93,10 +95,43 @@ class FastLinear(nn.Module):
             and cpu.library() is not None
         )
 
+        self.max_stream_rows = stream_limit(self.weight) if self.stream else 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.stream and x.shape[0] <= SMALL_M and x.dtype == torch.float32:
+        if x.shape[0] <= self.max_stream_rows and x.dtype == torch.float32:
             return cpu.linear_rows(x, self.weight, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+_LIMITS: dict[tuple[int, int], int] = {}
+
+
+def stream_limit(weight: torch.Tensor) -> int:
+    """Most rows for which our streaming kernel beats MKL on a weight of this shape, timed
+    once per shape on this machine: MKL's GEMM wins on small weights that stay in cache,
+    the stream on large ones and whenever memory bandwidth is contended (measured both)."""
+    key = tuple(weight.shape)
+    if key not in _LIMITS:
+        limit = SMALL_M
+        for m in TUNE_M:
+            x = torch.randn(m, weight.shape[1])
+            ours = _best_time(lambda x=x: cpu.linear_rows(x, weight, None))
+            mkl = _best_time(lambda x=x: nn.functional.linear(x, weight))
+            if ours > mkl:
+                break
+            limit = m
+        _LIMITS[key] = limit
+    return _LIMITS[key]
+
+
+def _best_time(fn, reps: int = 3) -> float:
+    fn()  # warm: the weight in cache as much as it will ever be
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def _fast(linear: nn.Module) -> nn.Module:
