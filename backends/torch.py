@@ -39,7 +39,9 @@ def describe() -> str:
     path = "reference (EDGELLM_REFERENCE=1)" if cpu.reference_only() else "fused serving path"
     return (
         f"torch backend: dtype auto = {dtype} ({why}); {path}; kernels: {cpu.status()}; "
-        f"{len(os.sched_getaffinity(0))} threads, one pinned per core"
+        f"{len(os.sched_getaffinity(0))} threads, one pinned per core. auto puts llama.cpp "
+        "first: faster at one stream and up to ~32 concurrent requests; -b torch for heavier "
+        "concurrency (README: the torch engine against vLLM's CPU build)"
     )
 
 
