@@ -143,12 +143,11 @@ class Projections(nn.Module):
 
     def __init__(self, linears: list[nn.Module]):
         super().__init__()
-        self.sizes = [m.out_features for m in linears]
         fused = _fuse(linears)
         self.fused = None if fused is None else FastLinear(fused)
         self.parts = nn.ModuleList(linears if self.fused is None else [])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, sum(sizes)]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, sum of out_features]
         if self.fused is not None:
             return self.fused(x)
         return torch.cat([m(x) for m in self.parts], dim=-1)
@@ -243,7 +242,7 @@ def rope_qkv(qkv, rope: Rope, n_heads: int, n_kv_heads: int):
     qk = qkv[:, : (n_heads + n_kv_heads) * d].view(t, -1, d)
     x1, x2 = qk.chunk(2, dim=-1)
     qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin  # q and k heads rotated together
-    v = qkv[:, (n_heads + n_kv_heads) * d :].view(t, n_kv_heads, d)
+    v = _split_qkv(qkv, n_heads, n_kv_heads, d)[2]
     return qk[:, :n_heads], qk[:, n_heads:], v
 
 
