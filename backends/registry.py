@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgellm.backends.base import Backend, check_backend
+from edgellm.backends import mlx
 from edgellm.backends.llamacpp import LlamaCppBackend
 from edgellm.backends.torch import TorchBackend
 from edgellm.config import EngineConfig
@@ -45,9 +46,16 @@ BACKENDS: dict[str, BackendEntry] = {
             lambda: True,
             TorchBackend.build,
         ),
+        BackendEntry(
+            "mlx",
+            "MLX: Apple silicon's GPU (Metal); MLX's CPU build elsewhere",
+            mlx.available,
+            mlx.MLXBackend.build,
+        ),
     )
 }
-AUTO_ORDER = ("llamacpp", "torch")  # preference of `auto`: the first this machine can run
+# preference of `auto`: the first this machine can run; on Apple silicon MLX (Metal) first
+AUTO_ORDER = ("mlx", "llamacpp", "torch") if mlx.apple_silicon() else ("llamacpp", "torch")
 CHOICES = ("auto", *BACKENDS)
 
 

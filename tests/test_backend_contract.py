@@ -22,12 +22,13 @@ VOCAB = 264  # bpe_tokenizer's vocabulary: llama.cpp needs merges in the GGUF
 # storage a backend still holds for sequences outside the block pool (must be 0 at rest)
 HELD = {
     "torch": lambda b: 0,
+    "mlx": lambda b: 0,  # K/V only in the block pool, as torch
     "llamacpp": lambda b: (
         len(b.cells.live) + sum(b.cells.cell_positions(s)[1] >= 0 for s in b.cells.free_lseqs)
     ),
 }
 # numerics: torch is exact against itself; llama.cpp's float sums depend on batch shape
-TOL = {"torch": 1e-5, "llamacpp": 2e-2}
+TOL = {"torch": 1e-5, "llamacpp": 2e-2, "mlx": 1e-5}
 
 
 @pytest.fixture(scope="module")

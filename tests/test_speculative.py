@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from edgellm.backends.llamacpp import LlamaCppBackend
+from edgellm.backends.mlx import MLXBackend
+from edgellm.backends.registry import BACKENDS as REGISTRY
 from edgellm.backends.torch import TorchBackend
 from edgellm.config import EngineConfig, SpeculativeConfig
 from edgellm.engine.engine import Engine
@@ -60,11 +62,13 @@ def llamacpp_backend(model, config: EngineConfig):
 
 
 # every backend of the registry is one line here
-BACKENDS = {"torch": TorchBackend, "llamacpp": llamacpp_backend}
+BACKENDS = {"torch": TorchBackend, "llamacpp": llamacpp_backend, "mlx": MLXBackend.from_torch}
 
 
 @pytest.fixture(params=list(BACKENDS))
 def make_backend(request):
+    if not REGISTRY[request.param].available():
+        pytest.skip(f"{request.param} is not available on this machine")
     return BACKENDS[request.param]
 
 

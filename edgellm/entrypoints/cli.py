@@ -25,6 +25,8 @@ from edgellm.loaders.model import load_model
 from edgellm.loaders.texts import load_text
 from edgellm.quantize.export_gguf import export_gguf as write_gguf
 from edgellm.quantize.export_hf import convert_to_hf
+from edgellm.quantize.export_mlx import describe_export
+from edgellm.quantize.export_mlx import export_mlx as write_mlx
 from edgellm.quantize.pipeline import QuantizeOptions, print_report
 from edgellm.quantize.pipeline import quantize as run_quantize
 from edgellm.sampling.params import SamplingParams
@@ -391,6 +393,34 @@ def export_gguf(
         raise InvalidParameterError("--out/-o is required")
     path = write_gguf(model, out, type_, force=force, progress=True)
     typer.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+@export_app.command("mlx")
+def export_mlx(
+    model: Annotated[
+        str | None, typer.Argument(help="edgellm checkpoint, HF directory or GGUF")
+    ] = None,
+    out: Annotated[str, typer.Option("--out", "-o", help="output directory")] = "",
+    dtype: Annotated[
+        str,
+        typer.Option(help="float tensors: auto (as stored) | float32 | float16 | bfloat16"),
+    ] = "auto",
+    scale_dtype: Annotated[
+        str,
+        typer.Option(
+            help="auto (float16 where every scale and bias is exact there, else float32) | "
+            "float16 | float32"
+        ),
+    ] = "auto",
+    force: ForceOpt = False,
+):
+    """Write a directory mlx_lm.load opens as it is; INT4 groups become MLX affine groups
+    unchanged (scales as stored, bias = -scale * (zero + 8))."""
+    if not out:
+        raise InvalidParameterError("--out/-o is required")
+    path, weights = write_mlx(model, out, dtype, scale_dtype, force=force)
+    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+    typer.echo(f"wrote {path} ({size:.1f} MiB): {describe_export(weights)}")
 
 
 def main() -> None:

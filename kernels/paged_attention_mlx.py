@@ -1,0 +1,147 @@
+"""Paged attention in MLX: the engine's block pool as MLX arrays, written through the slot
+mapping and read through each sequence's block table.
+
+The pool of one layer is K and V of shape `[num_blocks, block_size, n_kv_heads, head_dim]`,
+the layout of the torch backend (`kernels.paged_attention`). A step's queries are flattened
+into `[T, H, D]`; `StepAttention` (built once per step, shared by every layer) says which
+rows belong to which sequence and how far each sees. Short query runs (decodes, speculative
+verifies, small chunks) go through one padded `mx.fast.scaled_dot_product_attention` call
+over gathered blocks with a boolean mask; long prefill chunks are attended one by one.
+Scatter updates of the pool donate its buffer (MLX reuses an array nobody else holds), so a
+write costs the written rows, not the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+try:  # optional: the MLX backend says when it cannot run
+    import mlx.core as mx
+except ImportError:  # pragma: no cover - exercised where MLX is not installed
+    mx = None
+
+SHORT_QUERIES = 16  # runs of at most this many queries share one padded attention call
+
+
+class MLXKVPool:
+    """K and V per layer, `[num_blocks, block_size, n_kv_heads, head_dim]` each."""
+
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
+                 dtype) -> None:  # fmt: skip
+        shape = (num_blocks, block_size, n_kv, head_dim)
+        self.block_size, self.shape = block_size, shape
+        self.k = [mx.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [mx.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        mx.eval(self.k, self.v)
+
+    @property
+    def arrays(self) -> list:
+        return [*self.k, *self.v]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def write(self, layer: int, k, v, slots) -> None:
+        """k, v [T, KVH, D] into their slots (block * block_size + offset)."""
+        n, bs = self.shape[0], self.block_size
+        for pool, new in ((self.k, k), (self.v, v)):
+            flat = pool[layer].reshape(n * bs, *self.shape[2:])
+            flat[slots] = new.astype(flat.dtype)
+            pool[layer] = flat.reshape(self.shape)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        s, d = mx.array(src), mx.array(dst)
+        for pool in (self.k, self.v):
+            for i, a in enumerate(pool):
+                a[d] = a[s]
+                pool[i] = a
+        mx.eval(self.k, self.v)
+
+    def close(self) -> None:
+        self.k, self.v = [], []
+
+
+@dataclass(slots=True)
+class _Group:
+    """Sequences attended in one call: their query rows (padded), block tables and mask."""
+
+    rows: object  # mx int32 [B * qmax]: flat query row of each padded slot
+    table: object  # mx int32 [B, n_blocks]
+    mask: object  # mx bool [B, 1, qmax, L] or the string "causal"
+    keep: object  # mx int32: the padded slots that are real rows, in order
+    n_seqs: int
+    qmax: int
+    ctx: int  # L: keys gathered per sequence
+
+
+class StepAttention:
+    """Everything attention needs for one step, built once from the scheduled batch."""
+
+    def __init__(self, q_lens: list[int], starts: list[int], tables: list[list[int]],
+                 block_size: int) -> None:  # fmt: skip
+        self.groups: list[_Group] = []
+        qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
+        short = [b for b, n in enumerate(q_lens) if n <= SHORT_QUERIES]
+        order: list[np.ndarray] = []
+        if short:
+            self.groups.append(_padded(short, q_lens, starts, tables, qsl, block_size))
+            order += [np.arange(qsl[b], qsl[b + 1]) for b in short]
+        for b, n in enumerate(q_lens):
+            if n > SHORT_QUERIES:
+                self.groups.append(_padded([b], q_lens, starts, tables, qsl, block_size))
+                order.append(np.arange(qsl[b], qsl[b + 1]))
+        flat = np.concatenate(order)
+        # the groups' outputs are concatenated in `flat` order; put rows back in batch order
+        self.restore = None
+        if not np.array_equal(flat, np.arange(len(flat))):
+            self.restore = mx.array(np.argsort(flat).astype(np.int32))
+
+    def __call__(self, q, k_pool, v_pool, scale: float):
+        """q [T, H, D] -> [T, H * D]: each row attends to its sequence's keys up to itself."""
+        t, h, d = q.shape
+        n_blocks, bs, n_kv = k_pool.shape[:3]
+        outs = []
+        for g in self.groups:
+            qg = q[g.rows].reshape(g.n_seqs, g.qmax, h, d).transpose(0, 2, 1, 3)
+            width = g.table.shape[1] * bs
+            k = k_pool[g.table].reshape(g.n_seqs, width, n_kv, d)[:, : g.ctx].transpose(0, 2, 1, 3)
+            v = v_pool[g.table].reshape(g.n_seqs, width, n_kv, d)[:, : g.ctx].transpose(0, 2, 1, 3)
+            o = mx.fast.scaled_dot_product_attention(qg, k.astype(q.dtype), v.astype(q.dtype),
+                                                     scale=scale, mask=g.mask)  # fmt: skip
+            o = o.transpose(0, 2, 1, 3).reshape(g.n_seqs * g.qmax, h * d)
+            outs.append(o if g.keep is None else o[g.keep])
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        return out if self.restore is None else out[self.restore]
+
+
+def _padded(seqs, q_lens, starts, tables, qsl, block_size: int) -> _Group:
+    """Sequences `seqs` as one call: queries padded to the longest run, keys to the longest
+    context. Query i of sequence b sits at position starts[b] + i and sees keys 0..that."""
+    qmax = max(q_lens[b] for b in seqs)
+    ctx = max(starts[b] + q_lens[b] for b in seqs)
+    n_blocks = -(-ctx // block_size)
+    table = np.zeros((len(seqs), n_blocks), dtype=np.int32)
+    rows = np.zeros((len(seqs), qmax), dtype=np.int32)
+    mask = np.zeros((len(seqs), 1, qmax, ctx), dtype=bool)
+    keep = []
+    for j, b in enumerate(seqs):
+        n, start = q_lens[b], starts[b]
+        used = -(-(start + n) // block_size)
+        table[j, :used] = tables[b][:used]
+        rows[j, :n] = np.arange(qsl[b], qsl[b] + n)
+        visible = start + 1 + np.arange(qmax)  # keys each query row sees
+        visible[n:] = 1  # padding rows look at key 0 only (kept finite, then dropped)
+        mask[j, 0] = np.arange(ctx)[None, :] < visible[:, None]
+        keep += range(j * qmax, j * qmax + n)
+    whole = len(keep) == len(seqs) * qmax
+    if len(seqs) == 1 and starts[seqs[0]] == 0:
+        mask_arr = "causal"  # a whole prompt: MLX's own causal mask, nothing to build
+    else:
+        mask_arr = mx.array(mask)
+    return _Group(
+        mx.array(rows.reshape(-1)), mx.array(table), mask_arr,
+        None if whole else mx.array(np.asarray(keep, dtype=np.int32)), len(seqs), qmax, ctx,
+    )  # fmt: skip
