@@ -10,8 +10,8 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgellm.backends.base import Backend, check_backend
 from edgellm.backends import mlx
+from edgellm.backends.base import Backend, check_backend
 from edgellm.backends.llamacpp import LlamaCppBackend
 from edgellm.backends.torch import TorchBackend
 from edgellm.config import EngineConfig
