@@ -54,7 +54,7 @@ ThreadsOpt = Annotated[
     int | None, typer.Option("--threads", "-t", help="CPU threads (default: all cores)")
 ]
 DtypeOpt = Annotated[
-    str | None, typer.Option(help="float32 | bfloat16 | float16 (torch backend; default float32)")
+    str | None, typer.Option(help="auto | float32 | bfloat16 | float16 (torch and mlx backends; default auto, see `edgellm info`)")
 ]
 KVCacheOpt = Annotated[
     float | None, typer.Option("--kv-cache-mb", help="memory for the KV cache (default 512)")
