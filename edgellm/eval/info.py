@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from edgellm.backends.registry import AUTO_ORDER, BACKENDS, resolve_backend
 from edgellm.backends.mlx import describe as mlx_describe
+from edgellm.backends.registry import AUTO_ORDER, BACKENDS, resolve_backend
 from edgellm.backends.torch import describe as torch_describe
 from edgellm.loaders.model import file_size, load_model
 
