@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -72,8 +73,28 @@ def describe() -> str:
     return f"mlx backend: MLX {mx.__version__} on the {device}, dtype auto = {resolve_dtype('auto')}; {auto}"
 
 
+@dataclass(slots=True)
+class _Ahead:
+    """A decode step queued before the engine asked for it (`MLXBackend._run_ahead`)."""
+
+    seqs: list  # the sequences, in batch order
+    starts: list[int]  # the position each computes
+    tokens: object  # mx int32 [B]: the greedy tokens it assumed
+    logits: object  # mx [B, vocab]
+
+    def matches(self, batch: list[ScheduledSeq]) -> bool:
+        if len(batch) != len(self.seqs):
+            return False
+        for item, seq, start in zip(batch, self.seqs, self.starts, strict=True):
+            if (item.seq is not seq or item.num_tokens != 1 or item.logit_rows != 1
+                    or seq.num_computed_tokens != start or seq.spec_token_ids):  # fmt: skip
+                return False
+        return [item.input_ids()[0] for item in batch] == np.array(self.tokens).tolist()
+
+
 class MLXBackend:
     name = "mlx"
+    run_ahead = True  # pipelining of plain-greedy decode steps (`_run_ahead`); tests turn it off
 
     def __init__(self, args: ModelArgs, weights: MLXWeights, config: EngineConfig):
         if mx is None:
@@ -104,6 +125,7 @@ class MLXBackend:
                             args.num_key_value_heads, args.head_dim, dtype)  # fmt: skip
         self.dtype = dtype
         self.weights_bytes = sum(a.nbytes for a in tensors.values())
+        self._ahead: _Ahead | None = None
 
     @classmethod
     def build(cls, loaded: LoadedModel, config: EngineConfig) -> MLXBackend:
@@ -129,10 +151,11 @@ class MLXBackend:
         pass
 
     def close(self) -> None:
+        self._ahead = None
         self.kv.close()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
+        if copies:  # (queued after any step run ahead: the pool's writes stay in order)
             self.kv.copy_blocks([s for s, _ in copies], [d for _, d in copies])
 
     def release(self, seq: Sequence) -> None:
@@ -142,6 +165,17 @@ class MLXBackend:
         pass  # K/V past num_tokens is simply overwritten; the block manager trims the table
 
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not all_logits and ahead.matches(batch):
+            logits = ahead.logits  # computed while the engine sampled the previous step
+        else:
+            logits = self._logits(batch, all_logits)
+        mx.async_eval(logits, *self.kv.arrays)  # queue the pool writes with the logits
+        if self.run_ahead and not all_logits:
+            self._ahead = self._run_ahead(batch, logits)
+        return torch.from_numpy(np.array(logits, copy=True))  # waits for the logits only
+
+    def _logits(self, batch: list[ScheduledSeq], all_logits: bool):
         ids, pos, slots, rows, q_lens, starts = [], [], [], [], [], []
         bs, total = self.block_size, 0
         for item in batch:
@@ -155,12 +189,41 @@ class MLXBackend:
             q_lens.append(n)
             starts.append(start)
             total += n
-        attn = StepAttention(q_lens, starts, [item.seq.block_table for item in batch], bs)
-        i32 = lambda xs: mx.array(np.asarray(xs, dtype=np.int32))  # noqa: E731
-        logits = self.model(i32(ids), i32(pos), self.kv, i32(slots), attn, i32(rows))
-        # queue the pool writes with the logits; only the logits are waited for
-        mx.async_eval(logits, *self.kv.arrays)
-        return torch.from_numpy(np.array(logits, copy=True))
+        return self._model(ids, pos, slots, rows, q_lens, starts, [i.seq.block_table for i in batch])
+
+    def _model(self, ids, pos, slots, rows, q_lens, starts, tables):
+        attn = StepAttention(q_lens, starts, tables, self.block_size)
+        i32 = lambda xs: xs if isinstance(xs, mx.array) else mx.array(np.asarray(xs, np.int32))  # noqa: E731
+        return self.model(i32(ids), i32(pos), self.kv, i32(slots), attn, i32(rows))
+
+    def _run_ahead(self, batch: list[ScheduledSeq], logits) -> _Ahead | None:
+        """mlx-lm's pipelining under the engine: for a step of plain-greedy decodes, queue the
+        next step on the lazy argmax tokens before this step's logits are waited for, so that
+        building and running it overlaps the engine's sampling and scheduling. Used only when
+        the next step is exactly that (same sequences, one token each, the predicted tokens:
+        `_Ahead.matches`); otherwise it is dropped. Its one K/V write per sequence goes to the
+        slot after the sequence's last token, in the block that token was just written to (the
+        sequence's own, not full, so never cached): a position no one has computed, which the
+        real next step overwrites."""
+        bs = self.block_size
+        if not batch or len(batch) > self.max_num_batched_tokens:
+            return None
+        nxt = []
+        for item in batch:
+            seq = item.seq
+            p = seq.num_computed_tokens  # this step's token
+            if (item.num_tokens != 1 or item.logit_rows != 1 or seq.spec_token_ids
+                    or not seq.params.plain_greedy or (p + 1) % bs == 0
+                    or len(seq.output_ids) + 2 > seq.params.max_tokens):  # fmt: skip
+                return None
+            nxt.append(p + 1)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        tables = [item.seq.block_table for item in batch]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, nxt, strict=True)]
+        n = len(batch)
+        ahead = self._model(tokens, nxt, slots, list(range(n)), [1] * n, nxt, tables)
+        mx.async_eval(ahead, tokens, *self.kv.arrays)
+        return _Ahead([item.seq for item in batch], nxt, tokens, ahead)
 
     def describe(self) -> str:
         return describe()

@@ -145,6 +145,37 @@ def test_engine_batched_chunked_equals_alone():
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+def test_steps_run_ahead_give_the_tokens_of_steps_run_on_demand(monkeypatch):
+    """Greedy decodes are queued one step ahead (mlx-lm's pipelining); requests arriving,
+    finishing and sampling mid-run make the guess wrong, which must cost nothing but time."""
+    hf, config = tiny_hf_model("llama")
+    model = ours_from_hf(hf, config)
+    cfg = EngineConfig(kv_cache_mb=1.0, block_size=4)
+    used = []
+    matches = mlx_backend._Ahead.matches
+    monkeypatch.setattr(mlx_backend._Ahead, "matches",
+                        lambda self, batch: used.append(matches(self, batch)) or used[-1])  # fmt: skip
+
+    def run(ahead: bool):
+        monkeypatch.setattr(MLXBackend, "run_ahead", ahead)
+        engine = Engine(MLXBackend.from_torch(model, cfg), byte_tokenizer(), cfg)
+        sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True)
+        ids = [engine.add_request("first prompt", GREEDY), engine.add_request("second", sampled)]
+        outs, step = {}, 0
+        while engine.has_unfinished():
+            engine.step()
+            step += 1
+            if step == 8:  # arrives mid-decode: the step run ahead is dropped
+                ids.append(engine.add_request("a late one", GREEDY))
+        for i in ids:
+            outs[i] = engine.pop_output(i).outputs[0].token_ids
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        return outs
+
+    assert run(True) == run(False)
+    assert True in used and False in used  # guesses were used, and wrong ones dropped
+
+
 def test_auto_picks_mlx_only_on_apple_silicon():
     assert (AUTO_ORDER[0] == "mlx") == mlx_backend.apple_silicon()
     assert (resolve_backend("auto") == "mlx") == mlx_backend.apple_silicon()
