@@ -11,8 +11,8 @@ mlx-lm the export; greedy, EOS ignored, the same token ids on both sides.
                     `LLM.generate` of all prompts ÷ `mlx_lm.batch_generate`
     shared prefix   the same, every prompt starting with one long system prefix: edgellm's
                     prefix cache computes it once, mlx-lm's batch prefills it per request
-    KV memory       bytes of K/V per token the run held: our pool's blocks in use at the
-                    end ÷ tokens, vs mlx-lm's caches (`nbytes` of its per-request caches)
+    KV memory       the most K/V the run held: our blocks in use x block bytes, vs the
+                    `nbytes` of mlx-lm's batch cache (left-padded, grown 256 tokens at a time)
 
     python bench/bench_mlx.py             # writes bench/results/mlx.{json,md,png}
     python bench/bench_mlx.py --quick     # fewer tokens, one repeat (a smoke run)
@@ -102,14 +102,23 @@ def theirs_single(model, tok, ids: list[int], n: int) -> float:
 
 
 def theirs_batch(model, tok, batch: list[list[int]], n: int) -> tuple[float, list, int]:
-    from mlx_lm import batch_generate
+    """`mlx_lm.batch_generate`'s loop (its BatchGenerator, greedy, no stop tokens), watching
+    the K/V its batch cache holds after every step (the most it held is returned)."""
+    from mlx_lm.generate import BatchGenerator
 
     t0 = time.perf_counter()
-    r = batch_generate(model, tok, batch, max_tokens=n, return_token_ids=True,
-                       return_prompt_caches=True)  # fmt: skip
+    gen = BatchGenerator(model, stop_tokens=[])
+    uids = gen.insert(batch, [n] * len(batch))
+    toks = {u: [] for u in uids}
+    held = 0
+    while responses := gen.next_generated():
+        for r in responses:
+            if r.finish_reason != "stop":
+                toks[r.uid].append(r.token)
+        held = max(held, sum(c.nbytes for c in gen._generation_batch.prompt_cache))
+    gen.close()
     wall = time.perf_counter() - t0
-    kv = sum(c.nbytes for caches in r.caches for c in caches)
-    return len(batch) * n / wall, r.token_ids, kv
+    return len(batch) * n / wall, [toks[u] for u in uids], held
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
