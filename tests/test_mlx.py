@@ -260,6 +260,10 @@ def test_export_refuses_and_loses_nothing(tiny_ckpt, tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert exc.value.code == 1 and "group sizes 32, 64, 128" in err and "Traceback" not in err
     assert not (tmp_path / "pc-mlx").exists() and not list(tmp_path.glob(".pc-mlx*"))
+    from edgellm.entrypoints.llm import LLM
+
+    with pytest.raises(UnsupportedArchitectureError, match="group sizes 32, 64, 128"):
+        LLM(str(tmp_path / "pc"), backend="mlx", kv_cache_mb=1.0)  # nor can the backend run it
     monkeypatch.setattr(sys, "argv", ["edgellm", "export", "mlx", str(tiny_ckpt / "q"), "-o",
                                       str(out), "--force", "--scale-dtype", "float32"])  # fmt: skip
     with pytest.raises(SystemExit) as exc:
