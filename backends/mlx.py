@@ -9,7 +9,9 @@ Linears map onto MLX affine quantization without re-quantizing (`quantize.export
 Float models run in float32, bfloat16 or float16; a GGUF is dequantized on load.
 
 Each step's graph is evaluated with `mx.async_eval`: the pool writes and the logits are
-queued together and only the logits are waited for, as mlx-lm's generate loop does.
+queued together and only the logits are waited for; a step of plain-greedy decodes also
+queues the next one on its lazy argmax before waiting (`_run_ahead`), as mlx-lm's generate
+loop does, and the engine's next step uses it when it is exactly that step.
 """
 
 from __future__ import annotations
