@@ -94,6 +94,27 @@ class _Ahead:
         return [item.input_ids()[0] for item in batch] == np.array(self.tokens).tolist()
 
 
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_linears(tensors: dict, bits: int) -> tuple[dict[str, int], int]:
+    """`mx.quantize` every decoder Linear's float weight in place (affine, group 64, or the
+    largest of 128/32 that divides its inputs); embeddings and the LM head stay float."""
+    groups = {}
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+        w = tensors[name]
+        group = next((g for g in (64, 128, 32) if w.shape[1] % g == 0), None)
+        if group is None:
+            raise InvalidParameterError(
+                f"{name}: {w.shape[1]} inputs take no MLX group size (32, 64, 128)"
+            )
+        prefix = name.removesuffix(".weight")
+        q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+        tensors |= {name: q, f"{prefix}.scales": scales, f"{prefix}.biases": biases}
+        groups[prefix] = group
+    return groups, bits
+
+
 class MLXBackend:
     name = "mlx"
     run_ahead = True  # pipelining of plain-greedy decode steps (`_run_ahead`); tests turn it off
@@ -121,7 +142,10 @@ class MLXBackend:
                 tensors[name] = mx.array(t.view(torch.int32).numpy()).view(mx.uint32)
             else:  # floats (and scales/biases) in the compute dtype
                 tensors[name] = mx.array(t.float().numpy()).astype(dtype)
-        self.model = MLXModel(args, tensors, weights.groups, weights.bits)
+        groups, bits = weights.groups, weights.bits
+        if config.mlx_quantize != "off" and bits is None:
+            groups, bits = quantize_linears(tensors, int(config.mlx_quantize[1:]))
+        self.model = MLXModel(args, tensors, groups, bits)
         mx.eval(tensors)
         self.kv = MLXKVPool(args.num_hidden_layers, self.num_blocks, self.block_size,
                             args.num_key_value_heads, args.head_dim, dtype)  # fmt: skip

@@ -19,6 +19,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # an export of the model's weights to one type, or "auto" (the file, unless the model's entry
 # in the registry names a type that keeps its answers)
 LLAMACPP_TYPES = ("auto", "file", "f16", "q8_0", "q4_0", "q4_1")
+# what the MLX backend does to a float model's Linears at load: nothing, or `mx.quantize`
+# (affine, group 64, or the largest of 32/64/128 dividing a layer's inputs)
+MLX_QUANTIZE = ("off", "q4", "q8")
 
 
 @dataclass(slots=True)
@@ -75,6 +78,9 @@ class EngineConfig:
             (masked), so an unbounded cache slows every request as it fills. None: 1024
             with flash attention (masked cells are skipped), 256 without
             (bench/bench_cache_growth.py measured both flat over 700 requests).
+        mlx_quantize: the MLX backend quantizes a float model's Linears at load with
+            `mx.quantize` ("q4" | "q8", group 64; e.g. a GGUF, dequantized on load); an INT
+            checkpoint always runs as stored.
         speculative: speculative decoding (off by default).
     """
 
@@ -90,6 +96,7 @@ class EngineConfig:
     llamacpp_type: str = "auto"
     flash_attn: bool = True
     llamacpp_keep_tokens: int | None = None
+    mlx_quantize: str = "off"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -109,6 +116,10 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"unknown llama.cpp type {self.llamacpp_type!r} "
                 f"(choose from {', '.join(LLAMACPP_TYPES)})"
+            )
+        if self.mlx_quantize not in MLX_QUANTIZE:
+            raise InvalidParameterError(
+                f"unknown mlx_quantize {self.mlx_quantize!r} (choose from {', '.join(MLX_QUANTIZE)})"
             )
         if self.llamacpp_keep_tokens is not None and self.llamacpp_keep_tokens < 0:
             raise InvalidParameterError("llamacpp_keep_tokens must be >= 0")

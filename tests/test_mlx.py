@@ -117,6 +117,23 @@ def test_bfloat16_runs_within_its_precision():
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
+@pytest.mark.parametrize(("kind", "tol"), [("q8", 0.02), ("q4", 0.3)])
+def test_a_float_model_quantized_on_load(kind, tol):
+    """mlx_quantize: a float model's Linears through `mx.quantize` (q8 near-lossless here)."""
+    hf, config = tiny_hf_model("llama", intermediate_size=96)  # 96 inputs: group 32
+    model = ours_from_hf(hf, config)
+    chunks = [list(range(3, 30))]
+    want = forward_logits(TorchBackend(model, EngineConfig(kv_cache_mb=1.0)), chunks)
+    b = MLXBackend.from_torch(model, EngineConfig(kv_cache_mb=1.0, mlx_quantize=kind))
+    layer = b.model.layers[0]
+    assert layer.down_proj.bits == int(kind[1:]) and layer.down_proj.group_size == 32
+    assert layer.qkv.group_size == 64 and layer.qkv.weight.dtype == mx.uint32
+    got = forward_logits(b, chunks)
+    assert 0 < float((got - want).abs().max()) < tol * float(want.abs().max())
+    with pytest.raises(InvalidParameterError, match="mlx_quantize"):
+        EngineConfig(mlx_quantize="q3")
+
+
 def test_batched_rows_equal_alone_bit_for_bit():
     """A sequence's logits do not depend on what else is in the step (padding, grouping)."""
     hf, config = tiny_hf_model("llama")
