@@ -76,5 +76,46 @@ def check_backend(backend: object) -> None:
         raise TypeError(f"{type(backend).__name__} is not a Backend: lacks {', '.join(missing)}")
 
 
+class PoolStorage:
+    """The hooks of a backend whose K/V live only in the engine's block pool (torch, MLX):
+    whatever the prefix cache keeps stays valid, K/V past a truncation is simply overwritten
+    and the block manager owns the blocks, so there is nothing to do."""
+
+    def bind(self, uncache: Callable[[int], None]) -> None:
+        pass
+
+    def block_cached(self, block_id: int) -> None:
+        pass
+
+    def block_evicted(self, block_id: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        pass
+
+
+def flatten_batch(batch: list[ScheduledSeq], block_size: int, all_logits: bool = False):
+    """A scheduled batch as flat lists: token ids, positions, slots (block * block_size +
+    offset), the rows that need logits, and each item's query count and start position."""
+    ids, pos, slots, rows, q_lens, starts = [], [], [], [], [], []
+    total = 0
+    for item in batch:
+        seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
+        ids += item.input_ids()
+        table = seq.block_table
+        positions = range(start, start + n)
+        pos += positions
+        slots += [table[p // block_size] * block_size + p % block_size for p in positions]
+        first = total if all_logits else total + n - item.logit_rows
+        rows += range(first, total + n)
+        q_lens.append(n)
+        starts.append(start)
+        total += n
+    return ids, pos, slots, rows, q_lens, starts
+
+
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

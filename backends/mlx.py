@@ -17,14 +17,13 @@ loop does, and the engine's next step uses it when it is exactly that step.
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from edgellm.backends.base import kv_bytes_per_token
+from edgellm.backends.base import PoolStorage, flatten_batch, kv_bytes_per_token
 from edgellm.config import EngineConfig, kv_pool_blocks
 from edgellm.errors import InvalidParameterError
 from edgellm.kernels.paged_attention_mlx import MLXKVPool, StepAttention
@@ -41,7 +40,6 @@ except ImportError:  # pragma: no cover - exercised where MLX is not installed
 
 if TYPE_CHECKING:
     from edgellm.engine.scheduler import ScheduledSeq
-    from edgellm.engine.sequence import Sequence
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -115,7 +113,7 @@ def quantize_linears(tensors: dict, bits: int) -> tuple[dict[str, int], int]:
     return groups, bits
 
 
-class MLXBackend:
+class MLXBackend(PoolStorage):
     name = "mlx"
     run_ahead = True  # pipelining of plain-greedy decode steps (`_run_ahead`); tests turn it off
 
@@ -165,16 +163,7 @@ class MLXBackend:
         """From a float torch model of `models/` (tests: the same weights on every backend)."""
         state = {k: v.detach() for k, v in model.state_dict().items()}
         loaded = LoadedModel(None, "hf", model.args, DictSource(state), None, None)
-        return cls.build(loaded, config)
-
-    def bind(self, uncache: Callable[[int], None]) -> None:
-        pass  # K/V live in the block pool itself: whatever the cache keeps stays valid
-
-    def block_cached(self, block_id: int) -> None:
-        pass
-
-    def block_evicted(self, block_id: int) -> None:
-        pass
+        return cls(model.args, mlx_weights(loaded, scale_dtype="float32"), config)
 
     def close(self) -> None:
         self._ahead = None
@@ -183,12 +172,6 @@ class MLXBackend:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:  # (queued after any step run ahead: the pool's writes stay in order)
             self.kv.copy_blocks([s for s, _ in copies], [d for _, d in copies])
-
-    def release(self, seq: Sequence) -> None:
-        pass  # storage is the shared block pool; the block manager owns it
-
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        pass  # K/V past num_tokens is simply overwritten; the block manager trims the table
 
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         ahead, self._ahead = self._ahead, None
@@ -202,20 +185,8 @@ class MLXBackend:
         return torch.from_numpy(np.array(logits, copy=True))  # waits for the logits only
 
     def _logits(self, batch: list[ScheduledSeq], all_logits: bool):
-        ids, pos, slots, rows, q_lens, starts = [], [], [], [], [], []
-        bs, total = self.block_size, 0
-        for item in batch:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
-            ids += item.input_ids()
-            table = seq.block_table
-            pos += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            first = total if all_logits else total + n - item.logit_rows
-            rows += range(first, total + n)
-            q_lens.append(n)
-            starts.append(start)
-            total += n
-        return self._model(ids, pos, slots, rows, q_lens, starts, [i.seq.block_table for i in batch])
+        flat = flatten_batch(batch, self.block_size, all_logits)
+        return self._model(*flat, [item.seq.block_table for item in batch])
 
     def _model(self, ids, pos, slots, rows, q_lens, starts, tables):
         attn = StepAttention(q_lens, starts, tables, self.block_size)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from edgellm.backends.base import kv_bytes_per_token
+from edgellm.backends.base import PoolStorage, flatten_batch, kv_bytes_per_token
 from edgellm.config import EngineConfig, kv_pool_blocks
 from edgellm.kernels import cpu
 from edgellm.kernels.paged_attention import AttentionMetadata
@@ -18,7 +17,6 @@ from edgellm.quantize.build import build_model
 
 if TYPE_CHECKING:
     from edgellm.engine.scheduler import ScheduledSeq
-    from edgellm.engine.sequence import Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,7 +43,7 @@ def describe() -> str:
     )
 
 
-class TorchBackend:
+class TorchBackend(PoolStorage):
     name = "torch"
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig):
@@ -82,15 +80,6 @@ class TorchBackend:
         model = build_model(loaded, DTYPES[resolve_dtype(config.dtype)])
         return cls(model, config)
 
-    def bind(self, uncache: Callable[[int], None]) -> None:
-        pass  # K/V live in the block pool itself: whatever the cache keeps stays valid
-
-    def block_cached(self, block_id: int) -> None:
-        pass
-
-    def block_evicted(self, block_id: int) -> None:
-        pass
-
     def close(self) -> None:
         self.kv_caches = []
 
@@ -102,12 +91,6 @@ class TorchBackend:
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
-
-    def release(self, seq: Sequence) -> None:
-        pass  # storage is the shared block pool; the block manager owns it
-
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        pass  # K/V past num_tokens is simply overwritten; the block manager trims the table
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
@@ -123,20 +106,11 @@ class TorchBackend:
 
 def prepare_inputs(batch: list[ScheduledSeq], block_size: int, all_logits: bool = False) -> dict:
     """Flatten a scheduled batch into token ids, positions, slot mapping and block tables."""
-    ids, pos, slots, qsl, ctx, rows = [], [], [], [0], [], []
-    for item in batch:
-        seq, start = item.seq, item.seq.num_computed_tokens
-        end = start + item.num_tokens
-        ids += item.input_ids()
-        positions = range(start, end)
-        pos += positions
-        slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in positions]
-        if all_logits:
-            rows += range(qsl[-1], qsl[-1] + item.num_tokens)
-        else:  # the chunk's last logit_rows tokens
-            rows += range(qsl[-1] + item.num_tokens - item.logit_rows, qsl[-1] + item.num_tokens)
-        qsl.append(qsl[-1] + item.num_tokens)
-        ctx.append(end)
+    ids, pos, slots, rows, q_lens, starts = flatten_batch(batch, block_size, all_logits)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    ctx = [s + n for s, n in zip(starts, q_lens, strict=True)]
     width = max(len(item.seq.block_table) for item in batch)
     tables = torch.zeros(len(batch), width, dtype=torch.long)
     for b, item in enumerate(batch):

@@ -37,13 +37,13 @@ def convert_to_hf(
         config = {**args.to_hf_config(), "torch_dtype": dtype}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(
-            json.dumps(_generation_config(loaded), indent=2)
+            json.dumps(generation_config(loaded), indent=2)
         )
         loaded.tokenizer.save_pretrained(tmp)
     return Path(out_dir)
 
 
-def _generation_config(loaded) -> dict:
+def generation_config(loaded) -> dict:
     tok = loaded.tokenizer
     eos = sorted(tok.stop_ids) if tok.stop_ids else loaded.args.eos_token_id
     return {"bos_token_id": tok.bos_id, "eos_token_id": eos, "do_sample": False}

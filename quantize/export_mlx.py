@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
 from edgellm.fsutil import atomic_path, check_output
 from edgellm.loaders.model import LoadedModel, load_model
-from edgellm.quantize.export_hf import _generation_config
+from edgellm.quantize.export_hf import generation_config
 from edgellm.quantize.format import read_quant_config, unpack_int32
 from edgellm.registry import resolve_model
 
@@ -187,7 +187,7 @@ def export_mlx(
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(
-            json.dumps(_generation_config(loaded), indent=2)
+            json.dumps(generation_config(loaded), indent=2)
         )
         loaded.tokenizer.save_pretrained(tmp)
     return Path(out_dir), weights

@@ -151,3 +151,19 @@ def run_all(engine, prompts, params, check=True) -> list:
             live = [s for r in engine.requests.values() for s in r.seqs if s.block_table]
             engine.block_manager.check_invariants(live)
     return [engine.pop_output(i) for i in ids]
+
+
+def next_logits(llm, ids: list[int]):
+    """The logits after `ids` from an LLM's own backend (a probe sequence, freed after)."""
+    from edgellm.engine.scheduler import ScheduledSeq
+    from edgellm.engine.sequence import Sequence
+    from edgellm.sampling.params import SamplingParams
+
+    engine = llm.engine
+    seq = Sequence("probe", list(ids), SamplingParams())
+    engine.block_manager.allocate(seq, use_prefix_cache=False)
+    try:
+        return engine.backend.forward([ScheduledSeq(seq, len(ids))])[0]
+    finally:
+        engine.block_manager.free(seq)
+        engine.backend.release(seq)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from edgellm.sampling.params import SamplingParams
+from tests.conftest import next_logits
 
 pytestmark = pytest.mark.slow
 
@@ -60,20 +61,6 @@ def greedy(n: int = 64) -> SamplingParams:
 # near-tie between the two best tokens may flip. Equal outputs are required up to such a
 # flip, and a flip is accepted only where the two tokens' logits are this close.
 NEAR_TIE = 0.5  # logits of ~20: a 2.5% wobble; mixing sequences up would part them early and far
-
-
-def next_logits(llm, ids: list[int]):
-    from edgellm.engine.scheduler import ScheduledSeq
-    from edgellm.engine.sequence import Sequence
-
-    engine = llm.engine
-    seq = Sequence("probe", list(ids), greedy())
-    engine.block_manager.allocate(seq, use_prefix_cache=False)
-    try:
-        return engine.backend.forward([ScheduledSeq(seq, len(ids))])[0]
-    finally:
-        engine.block_manager.free(seq)
-        engine.backend.release(seq)
 
 
 def assert_same_tokens(llm, prompt: list[int], got: list[int], want: list[int]) -> None:

@@ -10,6 +10,7 @@ tests/test_backend_contract.py and tests/test_speculative.py.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,7 +41,13 @@ from edgellm.quantize.export_mlx import affine_from_packed, export_mlx  # noqa: 
 from edgellm.quantize.format import pack_int32  # noqa: E402
 from edgellm.quantize.linear import QuantLinear  # noqa: E402
 from edgellm.sampling.params import SamplingParams  # noqa: E402
-from tests.conftest import byte_tokenizer, ours_from_hf, run_all, tiny_hf_model  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    byte_tokenizer,
+    next_logits,
+    ours_from_hf,
+    run_all,
+    tiny_hf_model,
+)
 
 FAST = dict(calib="shakespeare", n_samples=4, seq_len=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -281,6 +288,20 @@ def test_export_refuses_and_loses_nothing(tiny_ckpt, tmp_path, capsys, monkeypat
 
     with pytest.raises(UnsupportedArchitectureError, match="group sizes 32, 64, 128"):
         LLM(str(tmp_path / "pc"), backend="mlx", kv_cache_mb=1.0)  # nor can the backend run it
+    for dtype, scale in (("float64", "auto"), ("auto", "bfloat16")):  # unknown names
+        with pytest.raises(InvalidParameterError, match="unknown"):
+            export_mlx(tiny_ckpt / "q", tmp_path / "names", dtype, scale)
+    assert not (tmp_path / "names").exists()
+    # llama3 RoPE stored as per-dimension factors (as GGUFs do): mlx-lm's config cannot say it
+    src = tmp_path / "ff"
+    shutil.copytree(tiny_ckpt / "src", src)
+    cfg = json.loads((src / "config.json").read_text())
+    head = cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": [1.0] * (head // 2)}
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="per-dimension factors"):
+        export_mlx(src, tmp_path / "ff-mlx")
+    assert not (tmp_path / "ff-mlx").exists()
     monkeypatch.setattr(sys, "argv", ["edgellm", "export", "mlx", str(tiny_ckpt / "q"), "-o",
                                       str(out), "--force", "--scale-dtype", "float32"])  # fmt: skip
     with pytest.raises(SystemExit) as exc:
@@ -311,16 +332,6 @@ def awq(tmp_path_factory, smollm2_path):
                                seq_len=128, awq_tokens=512, awq_grid=4)  # fmt: skip
         quantize(str(smollm2_path), str(root / ("sym" if sym else "asym")), opts, progress=False)
     return root
-
-
-def next_logits(llm, ids: list[int]) -> torch.Tensor:
-    engine = llm.engine
-    seq = Sequence("probe", list(ids), SamplingParams())
-    engine.block_manager.allocate(seq, use_prefix_cache=False)
-    try:
-        return engine.backend.forward([ScheduledSeq(seq, len(ids))])[0]
-    finally:
-        engine.block_manager.free(seq)
 
 
 def assert_same_up_to_near_tie(reference, prompt, got, want) -> None:
