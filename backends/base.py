@@ -10,6 +10,7 @@ the registry (`backends/registry.py`); `check_backend` holds each to this contra
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -119,3 +120,80 @@ def flatten_batch(batch: list[ScheduledSeq], block_size: int, all_logits: bool =
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class HostSwap:
+    """K/V blocks of preempted sequences parked in host memory and brought back (offloading).
+
+    A backend whose pool is `self.kv_caches` (per layer (K, V) `[num_blocks, block_size,
+    KVH, D]`) calls `init_swap`; the engine then moves blocks with `swap_out` / `swap_in`
+    when the scheduler finds a copy cheaper than recomputing (`swap_seconds`, measured).
+    The host pool is pinned when the device pool is on a GPU, and allocated on first use.
+    """
+
+    num_host_blocks: int = 0
+
+    def init_swap(self, swap_space_mb: float, bytes_per_token: int) -> None:
+        per_block = bytes_per_token * self.block_size
+        self.num_host_blocks = int(swap_space_mb * 2**20 // per_block) if swap_space_mb else 0
+        self._host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._block_seconds: float | None = None  # measured copy time of one block, one way
+
+    def _host_pool(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._host is None:
+            k0 = self.kv_caches[0][0]
+            shape = (self.num_host_blocks, *k0.shape[1:])
+            pin = k0.is_cuda
+
+            def make():
+                t = torch.empty(shape, dtype=k0.dtype)
+                return t.pin_memory() if pin else t
+
+            self._host = [(make(), make()) for _ in self.kv_caches]
+        return self._host
+
+    def _copy(self, pairs: list[tuple[int, int]], out: bool) -> float:
+        """Copy blocks (device -> host when `out`, else host -> device); returns seconds."""
+        if not pairs:
+            return 0.0
+        t0 = time.perf_counter()
+        dev = self.kv_caches[0][0].device
+        a = torch.tensor([p for p, _ in pairs])
+        b = torch.tensor([q for _, q in pairs])
+        for (dk, dv), (hk, hv) in zip(self.kv_caches, self._host_pool(), strict=True):
+            if out:  # device blocks a -> host blocks b
+                da = a.to(dev)
+                hk[b] = dk[da].to("cpu")
+                hv[b] = dv[da].to("cpu")
+            else:  # host blocks a -> device blocks b
+                db = b.to(dev)
+                dk[db] = hk[a].to(dev, non_blocking=True)
+                dv[db] = hv[a].to(dev, non_blocking=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        seconds = time.perf_counter() - t0
+        per_block = seconds / len(pairs)
+        prev = self._block_seconds
+        self._block_seconds = per_block if prev is None else 0.7 * prev + 0.3 * per_block
+        return seconds
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host block) pairs: park the K/V before the device blocks are reused."""
+        self._copy(pairs, out=True)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs: bring parked K/V back."""
+        self._copy(pairs, out=False)
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        """Measured cost of parking `num_blocks` and bringing them back (a probe of a few
+        blocks through the host pool's end the first time)."""
+        if self._block_seconds is None:
+            n = min(8, self.num_host_blocks, len(self.kv_caches[0][0]))
+            probe = [(i, self.num_host_blocks - n + i) for i in range(n)]
+            self._copy(probe, out=True)
+        return 2 * num_blocks * (self._block_seconds or 0.0)
+
+    def close_swap(self) -> None:
+        self._host = None
+        self.num_host_blocks = 0

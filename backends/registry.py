@@ -10,7 +10,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgellm.backends import mlx
+from edgellm.backends import cuda, mlx
 from edgellm.backends.base import Backend, check_backend
 from edgellm.backends.llamacpp import LlamaCppBackend
 from edgellm.backends.torch import TorchBackend
@@ -25,6 +25,7 @@ class BackendEntry:
     description: str
     available: Callable[[], bool]  # this machine can run it (library importable, device present)
     build: Callable[[LoadedModel, EngineConfig], Backend]
+    why_unavailable: Callable[[], str | None] = lambda: None  # said when asked for anyway
 
 
 def _importable(module: str) -> Callable[[], bool]:
@@ -52,10 +53,20 @@ BACKENDS: dict[str, BackendEntry] = {
             mlx.available,
             mlx.MLXBackend.build,
         ),
+        BackendEntry(
+            "cuda",
+            "NVIDIA GPU: our Triton kernels (W4A16, paged attention), CUDA graphs",
+            cuda.available,
+            cuda.CUDABackend.build,
+            cuda.unavailable_reason,
+        ),
     )
 }
-# preference of `auto`: the first this machine can run; on Apple silicon MLX (Metal) first
-AUTO_ORDER = ("mlx", "llamacpp", "torch") if mlx.apple_silicon() else ("llamacpp", "torch")
+# preference of `auto`: the first this machine can run: a CUDA GPU first; on Apple silicon
+# MLX (Metal) before the CPU backends
+AUTO_ORDER = (
+    ("cuda", "mlx", "llamacpp", "torch") if mlx.apple_silicon() else ("cuda", "llamacpp", "torch")
+)
 CHOICES = ("auto", *BACKENDS)
 
 
@@ -69,8 +80,12 @@ def resolve_backend(name: str) -> str:
         raise InvalidParameterError(f"unknown backend {name!r} (available: {', '.join(CHOICES)})")
     if name == "auto":
         return next(b for b in AUTO_ORDER if BACKENDS[b].available())
-    if not BACKENDS[name].available():
-        raise InvalidParameterError(f"the {name} backend cannot run on this machine")
+    entry = BACKENDS[name]
+    if not entry.available():
+        why = entry.why_unavailable()
+        raise InvalidParameterError(
+            f"the {name} backend cannot run on this machine" + (f": {why}" if why else "")
+        )
     return name
 
 

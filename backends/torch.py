@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edgellm.backends.base import PoolStorage, flatten_batch, kv_bytes_per_token
+from edgellm.backends.base import HostSwap, PoolStorage, flatten_batch, kv_bytes_per_token
 from edgellm.config import EngineConfig, kv_pool_blocks
 from edgellm.kernels import cpu
 from edgellm.kernels.paged_attention import AttentionMetadata
@@ -43,7 +43,7 @@ def describe() -> str:
     )
 
 
-class TorchBackend(PoolStorage):
+class TorchBackend(HostSwap, PoolStorage):
     name = "torch"
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig):
@@ -70,6 +70,8 @@ class TorchBackend(PoolStorage):
         # the serving form unless EDGELLM_REFERENCE=1 (the reference model runs as is)
         self.model = model if cpu.reference_only() else FusedModel(model, self.max_model_len)
         self.dtype = dtype
+        # the pool is host memory already: swapping only when asked (tests, a memory cap)
+        self.init_swap(config.swap_space_mb or 0, per_token)
 
     @classmethod
     def build(cls, loaded: LoadedModel, config: EngineConfig) -> TorchBackend:
@@ -82,6 +84,7 @@ class TorchBackend(PoolStorage):
 
     def close(self) -> None:
         self.kv_caches = []
+        self.close_swap()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -22,6 +22,9 @@ LLAMACPP_TYPES = ("auto", "file", "f16", "q8_0", "q4_0", "q4_1")
 # what the MLX backend does to a float model's Linears at load: nothing, or `mx.quantize`
 # (affine, group 64, or the largest of 32/64/128 dividing a layer's inputs)
 MLX_QUANTIZE = ("off", "q4", "q8")
+# what a preempted sequence's K/V become: recomputed later, parked in host memory (needs a
+# backend with swap space), or "auto": the cheaper of the two, measured
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass(slots=True)
@@ -81,6 +84,14 @@ class EngineConfig:
         mlx_quantize: the MLX backend quantizes a float model's Linears at load with
             `mx.quantize` ("q4" | "q8", group 64; e.g. a GGUF, dequantized on load); an INT
             checkpoint always runs as stored.
+        cuda_graphs: the CUDA backend replays decode steps as CUDA graphs.
+        quantize_lm_head: the CUDA backend quantizes the LM head to INT4 at load (on small
+            models with tied embeddings it is a large share of the bytes read per token).
+        swap_space_mb: host memory for the K/V of preempted sequences (offloading); None:
+            the backend's default (CUDA: 2048, the CPU backends: none, their pool is host
+            memory already).
+        preemption: "auto" (swap when a measured copy is cheaper than recomputing),
+            "recompute" or "swap" (whenever the host pool has room).
         speculative: speculative decoding (off by default).
     """
 
@@ -97,6 +108,10 @@ class EngineConfig:
     flash_attn: bool = True
     llamacpp_keep_tokens: int | None = None
     mlx_quantize: str = "off"
+    cuda_graphs: bool = True
+    quantize_lm_head: bool = False
+    swap_space_mb: float | None = None
+    preemption: str = "auto"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -121,6 +136,12 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"unknown mlx_quantize {self.mlx_quantize!r} (choose from {', '.join(MLX_QUANTIZE)})"
             )
+        if self.preemption not in PREEMPTION_MODES:
+            raise InvalidParameterError(
+                f"unknown preemption {self.preemption!r} (choose from {', '.join(PREEMPTION_MODES)})"
+            )
+        if self.swap_space_mb is not None and self.swap_space_mb < 0:
+            raise InvalidParameterError("swap_space_mb must be >= 0")
         if self.llamacpp_keep_tokens is not None and self.llamacpp_keep_tokens < 0:
             raise InvalidParameterError("llamacpp_keep_tokens must be >= 0")
         if self.threads is not None and self.threads < 1:

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run on the CPU through Triton's interpreter where there is no GPU; it must
+# be chosen before triton is first imported (edgellm's backends import it)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 TINY = dict(
@@ -142,13 +146,36 @@ def tiny_engine(
     return Engine(backend, byte_tokenizer(eos_id), config)
 
 
+def cuda_backend(model, config):
+    """The CUDA backend on a GPU, else on the CPU through Triton's interpreter (float32)."""
+    from edgellm.backends.cuda import CUDABackend
+
+    if torch.cuda.is_available():
+        return CUDABackend(model.cuda(), config, "cuda", next(model.parameters()).dtype)
+    return CUDABackend(model, config, "cpu", torch.float32)
+
+
+def triton_runs() -> bool:
+    """The Triton kernels can run here: a GPU, or the interpreter."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def run_all(engine, prompts, params, check=True) -> list:
     """Add every prompt, step to completion checking block invariants; outputs in order."""
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
         if check:
-            live = [s for r in engine.requests.values() for s in r.seqs if s.block_table]
+            live = [
+                s
+                for r in engine.requests.values()
+                for s in r.seqs
+                if s.block_table or s.host_table
+            ]
             engine.block_manager.check_invariants(live)
     return [engine.pop_output(i) for i in ids]
 

@@ -15,20 +15,22 @@ from edgellm.engine.engine import Engine
 from edgellm.engine.scheduler import ScheduledSeq
 from edgellm.engine.sequence import Sequence
 from edgellm.loaders.model import load_model
+from edgellm.quantize.build import build_model
 from edgellm.sampling.params import SamplingParams
-from tests.conftest import bpe_tokenizer, run_all, tiny_hf_model
+from tests.conftest import bpe_tokenizer, cuda_backend, run_all, tiny_hf_model, triton_runs
 
 VOCAB = 264  # bpe_tokenizer's vocabulary: llama.cpp needs merges in the GGUF
 # storage a backend still holds for sequences outside the block pool (must be 0 at rest)
 HELD = {
     "torch": lambda b: 0,
     "mlx": lambda b: 0,  # K/V only in the block pool, as torch
+    "cuda": lambda b: 0,  # likewise (on the CPU through Triton's interpreter without a GPU)
     "llamacpp": lambda b: (
         len(b.cells.live) + sum(b.cells.cell_positions(s)[1] >= 0 for s in b.cells.free_lseqs)
     ),
 }
 # numerics: torch is exact against itself; llama.cpp's float sums depend on batch shape
-TOL = {"torch": 1e-5, "llamacpp": 2e-2, "mlx": 1e-5}
+TOL = {"torch": 1e-5, "llamacpp": 2e-2, "mlx": 1e-5, "cuda": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +44,16 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(params=sorted(BACKENDS))
 def name(request):
-    if not BACKENDS[request.param].available():
+    on_cpu = request.param == "cuda" and triton_runs()  # the interpreter stands in
+    if not BACKENDS[request.param].available() and not on_cpu:
         pytest.skip(f"{request.param} is not available on this machine")
     return request.param
 
 
 def build(name, model_dir, **cfg) -> Backend:
     config = EngineConfig(**{"kv_cache_mb": 1.0, "block_size": 4, "threads": 2, **cfg})
+    if name == "cuda" and not BACKENDS[name].available():
+        return cuda_backend(build_model(load_model(model_dir)), config)
     return build_backend(name, load_model(model_dir), config)
 
 

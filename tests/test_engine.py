@@ -42,6 +42,64 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens():
     assert small.block_manager.num_free == small.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swapping_preempted_kv_to_a_host_pool_gives_the_same_tokens(mode):
+    """Offloading: preempted sequences' blocks go to a host pool (standing in for device ->
+    host memory) and come back instead of being recomputed; the continuation is
+    token-identical, prefix-cache hits included, and no block, device or host, is left."""
+    ps = prompts(6, seed=1)
+    shared = list(range(1, 30))
+    ps += [shared + [7], shared + [8]]  # two that share prefix blocks
+    ref = tokens(run_all(tiny_engine(), ps, GREEDY))
+    small = tiny_engine(
+        kv_cache_mb=40 * 4 * 512 / 2**20, block_size=4, swap_space_mb=1, preemption=mode
+    )
+    assert small.block_manager.num_host_blocks == small.backend.num_host_blocks > 0
+    assert tokens(run_all(small, ps, GREEDY)) == ref
+    assert small.scheduler.num_swaps > 0  # auto: a copy is measured far cheaper here
+    assert small.scheduler.num_preemptions >= small.scheduler.num_swaps
+    bm = small.block_manager
+    assert bm.num_free == bm.num_blocks and len(bm.free_host) == bm.num_host_blocks
+    bm.check_invariants([])
+
+
+def test_recompute_mode_and_a_full_host_pool_fall_back_to_recomputing():
+    ps = prompts(6, seed=1)
+    ref = tokens(run_all(tiny_engine(), ps, GREEDY))
+    mb = 40 * 4 * 512 / 2**20
+    never = tiny_engine(kv_cache_mb=mb, block_size=4, swap_space_mb=1, preemption="recompute")
+    assert tokens(run_all(never, ps, GREEDY)) == ref
+    assert never.scheduler.num_preemptions > 0 and never.scheduler.num_swaps == 0
+    # a host pool of 2 blocks holds no victim: every preemption recomputes
+    tiny_pool = tiny_engine(
+        kv_cache_mb=mb, block_size=4, swap_space_mb=2 * 4 * 512 / 2**20, preemption="swap"
+    )
+    assert tiny_pool.backend.num_host_blocks == 2
+    assert tokens(run_all(tiny_pool, ps, GREEDY)) == ref
+    assert tiny_pool.scheduler.num_preemptions > 0
+
+
+def test_aborting_a_swapped_sequence_frees_its_host_blocks():
+    eng = tiny_engine(
+        kv_cache_mb=20 * 4 * 512 / 2**20, block_size=4, swap_space_mb=1, preemption="swap"
+    )
+    # four sequences of up to 34 tokens (9 blocks each) in 20 blocks: some get swapped
+    ids = [eng.add_request(list(range(1 + i, 11 + i)), GREEDY) for i in range(4)]
+    while not eng.scheduler.swapped and eng.has_unfinished():
+        eng.step()
+    assert eng.scheduler.swapped
+    victim = eng.scheduler.swapped[0]
+    assert victim.host_table and victim.num_computed_tokens > 0
+    eng.abort(victim.request_id)
+    assert not victim.host_table
+    while eng.has_unfinished():
+        eng.step()
+    bm = eng.block_manager
+    bm.check_invariants([])
+    assert len(bm.free_host) == bm.num_host_blocks
+    assert ids
+
+
 def test_prefix_cache_hit_gives_same_tokens():
     eng = tiny_engine(block_size=8)
     shared = list(range(1, 41))

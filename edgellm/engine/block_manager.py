@@ -51,6 +51,7 @@ class BlockManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         listener: CacheListener | None = None,
+        num_host_blocks: int = 0,
     ):
         if num_blocks < 1 or block_size < 1:
             raise InvalidParameterError(
@@ -62,6 +63,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.hash_to_block: dict[int, int] = {}
+        # host blocks for swapped-out sequences (offloading); ids only, the backend copies
+        self.num_host_blocks = num_host_blocks
+        self.free_host: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.prefix_queries = 0  # prompt blocks looked up
         self.prefix_hits = 0  # ... found cached
 
@@ -203,6 +207,42 @@ class BlockManager:
         seq.num_computed_tokens = num_computed
         self.register_computed(seq)
 
+    # ---- swapping (offloading) -----------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= len(self.free_host)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the sequence's blocks to host blocks: returns (device, host) pairs to copy
+        before the device blocks are reused. Progress stays: the K/V come back with
+        `swap_in`. Shared (prefix) blocks are copied too and stay with their other owners."""
+        pairs = [(block_id, self.free_host.pop()) for block_id in seq.block_table]
+        for block_id in reversed(seq.block_table):
+            self._unref(block_id)
+        seq.block_table = []
+        seq.host_table = [h for _, h in pairs]
+        return pairs
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        # its blocks, and room for the token it computes next
+        return self.blocks_needed(len(seq) + 1) <= self.num_free
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Fresh device blocks for a swapped sequence: returns (host, device) pairs to copy.
+        The new blocks re-enter the prefix cache as the sequence commits."""
+        assert not seq.block_table, "sequence already has device blocks"
+        pairs = [(h, self._take()) for h in seq.host_table]
+        self.free_host.extend(reversed(seq.host_table))
+        seq.host_table = []
+        seq.block_table = [d for _, d in pairs]
+        seq.num_hashed_blocks = 0  # new ids: hashed again by the next commit
+        return pairs
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """A swapped sequence ends (aborted): its host blocks are free again."""
+        self.free_host.extend(reversed(seq.host_table))
+        seq.host_table = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+
     # ---- prefix caching ------------------------------------------------------------------------
     def register_computed(self, seq: Sequence) -> None:
         """Hash the sequence's full blocks whose K/V are now computed."""
@@ -263,3 +303,5 @@ class BlockManager:
             )
         for h, block_id in self.hash_to_block.items():
             assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"
+        host = sorted([*self.free_host, *(h for seq in seqs for h in seq.host_table)])
+        assert host == list(range(self.num_host_blocks)), "host blocks lost or owned twice"

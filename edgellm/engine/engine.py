@@ -68,8 +68,14 @@ class Engine:
         self.speculator = speculator
         self.max_model_len = backend.max_model_len
         # the backend hears of prefix-cache changes; it may give a block up through `uncache`
+        # offloading: a backend with host swap space (HostSwap) can park preempted K/V
+        self.num_host_blocks = getattr(backend, "num_host_blocks", 0)
         self.block_manager = BlockManager(
-            backend.num_blocks, backend.block_size, self.config.enable_prefix_caching, backend
+            backend.num_blocks,
+            backend.block_size,
+            self.config.enable_prefix_caching,
+            backend,
+            self.num_host_blocks,
         )
         backend.bind(self.block_manager.uncache)
         self.scheduler = Scheduler(
@@ -77,7 +83,9 @@ class Engine:
             self.block_manager,
             self.max_model_len,
             speculator.lookahead if speculator is not None else None,
+            self._should_swap if self.num_host_blocks else None,
         )
+        self.token_seconds: float | None = None  # measured forward time per prefill token
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "forward_s": 0.0}
@@ -170,6 +178,10 @@ class Engine:
         out = self.scheduler.schedule()
         for seq in out.preempted:
             self._release(seq)
+        if out.swap_out:  # before anything overwrites the device blocks they leave
+            self.backend.swap_out(out.swap_out)
+        if out.swap_in:
+            self.backend.swap_in(out.swap_in)
         if not out.scheduled:
             return []
         self.backend.copy_blocks(out.block_copies)
@@ -177,13 +189,33 @@ class Engine:
         all_decode = all(item.is_decode for item in out.scheduled)
         t1 = time.perf_counter()
         logits = self.backend.forward(out.scheduled)
-        self.stats["forward_s"] += time.perf_counter() - t1
+        seconds = time.perf_counter() - t1
+        self.stats["forward_s"] += seconds
+        self._measure(out.scheduled, seconds)
         self.stats["steps"] += 1
         deltas = self._postprocess(out.scheduled, logits, proposals)
         if self.speculator is not None and all_decode:  # prefill chunks would blur the cost
             drafted = max((len(p.tokens) for p in proposals.values()), default=0)
             self.speculator.record_step(time.perf_counter() - t0, drafted)
         return deltas
+
+    def _measure(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
+        """Forward seconds per token of prefill-heavy steps: what recomputing costs."""
+        tokens = sum(item.num_tokens for item in scheduled)
+        if tokens >= 4 * len(scheduled):
+            per = seconds / tokens
+            prev = self.token_seconds
+            self.token_seconds = per if prev is None else 0.8 * prev + 0.2 * per
+
+    def _should_swap(self, seq: Sequence) -> bool:
+        """Park a preempted sequence's K/V in host memory rather than recompute them later?"""
+        mode = self.config.preemption
+        if mode != "auto":
+            return mode == "swap"
+        if self.token_seconds is None:  # nothing measured yet: recomputing is the safe default
+            return False
+        swap = self.backend.swap_seconds(len(seq.block_table))
+        return swap < seq.num_computed_tokens * self.token_seconds
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> dict[int, Proposal]:
         """Drafts for the sequences given lookahead slots, onto `seq.spec_token_ids`; keyed by
@@ -433,6 +465,8 @@ class Engine:
             "kv_slots_allocated": alloc_slots,
             "kv_slots_used": used_slots,
             "preemptions": self.scheduler.num_preemptions,
+            "swapped": len(self.scheduler.swapped),
+            "swaps": self.scheduler.num_swaps,
             **self.stats,
         }
 

@@ -3,7 +3,10 @@
 Each step fills a token budget with decodes of running sequences first, then
 prefill chunks (long prompts are split across steps), then newly admitted
 requests as soon as their blocks fit. When blocks run out, the newest running
-sequence is preempted (its blocks freed, recomputed later from its tokens).
+sequence is preempted: its blocks freed and recomputed later from its tokens, or, when the
+backend has host swap space and `preemption` says so (by default: when copying is measured
+cheaper than recomputing), its K/V parked in host memory and brought back before any new
+request is admitted.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from edgellm.engine.sequence import Sequence, SequenceStatus
 
 # (sequence, room) -> drafted tokens to verify this step, at most `room` (0: plain decode)
 Lookahead = Callable[[Sequence, int], int]
+# a preempted sequence -> True: swap its K/V to the host; False: recompute it later
+SwapPolicy = Callable[[Sequence], bool]
 
 
 @dataclass(slots=True)
@@ -69,6 +74,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) before all
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) then these
 
     @property
     def num_tokens(self) -> int:
@@ -85,26 +92,32 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         lookahead: Lookahead | None = None,
+        swap_policy: SwapPolicy | None = None,
     ):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.lookahead = lookahead
+        self.swap_policy = swap_policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()  # oldest first
         self.num_preemptions = 0
+        self.num_swaps = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # admitting while preempting would thrash
+            budget = self._swap_in(out, budget)
+        if not out.preempted and not self.swapped:  # swapped sequences come back first
             budget = self._admit_waiting(out, budget)
         if self.lookahead is not None:
             self._reserve_lookahead(out, budget)
@@ -155,17 +168,48 @@ class Scheduler:
         scheduled = [s for s in out.scheduled if s.seq is victim]
         for s in scheduled:
             out.scheduled.remove(s)
-        self.block_manager.free(victim)
-        victim.status = SequenceStatus.WAITING
-        self.waiting.appendleft(victim)
+        bm = self.block_manager
+        if (
+            self.swap_policy is not None
+            and victim.num_computed_tokens
+            and bm.can_swap_out(victim)
+            and self.swap_policy(victim)
+        ):
+            out.swap_out += bm.swap_out(victim)
+            victim.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(victim)
+            self.num_swaps += 1
+        else:
+            bm.free(victim)
+            victim.status = SequenceStatus.WAITING
+            self.waiting.appendleft(victim)
         out.preempted.append(victim)
         self.num_preemptions += 1
         return victim is not keep
 
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped sequences back, oldest first, while their blocks fit."""
+        bm = self.block_manager
+        slots = sum(1 + s.pending_forks for s in self.running)
+        while self.swapped and budget > 0 and slots < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if not bm.can_swap_in(seq):
+                break
+            self.swapped.popleft()
+            out.swap_in += bm.swap_in(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.block_copies += bm.append_slots(seq, 0)
+            n = min(seq.num_uncomputed, budget)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            slots += 1
+        return budget
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
         # a request with n > 1 forks its children when its prompt is computed: they count now
-        slots = sum(1 + s.pending_forks for s in self.running)
+        slots = sum(1 + s.pending_forks for s in [*self.running, *self.swapped])
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if slots + 1 + seq.pending_forks > self.config.max_num_seqs or not bm.can_allocate(seq):
@@ -186,6 +230,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.block_manager.free_swapped(seq)
         if seq.block_table:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

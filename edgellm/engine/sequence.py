@@ -14,6 +14,7 @@ from edgellm.sampling.params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    SWAPPED = auto()  # preempted with its K/V parked in host memory (see HostSwap)
     FINISHED = auto()
 
 
@@ -36,6 +37,7 @@ class Sequence:
     index: int = 0  # which of the request's n outputs
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    host_table: list[int] = field(default_factory=list)  # host blocks while SWAPPED
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache

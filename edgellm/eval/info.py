@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
+from edgellm.backends.cuda import describe as cuda_describe
 from edgellm.backends.mlx import describe as mlx_describe
 from edgellm.backends.registry import AUTO_ORDER, BACKENDS, resolve_backend
 from edgellm.backends.torch import describe as torch_describe
@@ -111,6 +112,6 @@ def backends_table() -> Table:
         rank = f"#{AUTO_ORDER.index(name) + 1}" if name in AUTO_ORDER else ""
         chosen = "<- picked" if name == pick else rank
         t.add_row(name, "yes" if entry.available() else "no", entry.description, chosen)
-    t.caption = f"{torch_describe()}\n{mlx_describe()}"
+    t.caption = f"{torch_describe()}\n{mlx_describe()}\n{cuda_describe()}"
     t.caption_justify = "left"
     return t
