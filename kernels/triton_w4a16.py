@@ -180,9 +180,9 @@ def launch_config(m: int, n: int, k: int, group: int, on_gpu: bool) -> dict:
     if use_dot:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n = 64
-    else:
+    else:  # the [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it ~8k values
         block_m = triton.next_power_of_2(max(m, 1))
-        block_n = 64 if on_gpu else 32
+        block_n = max(16, 64 // block_m) if on_gpu else 32
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(k_blocks, TARGET_PROGRAMS // max(tiles, 1))) if on_gpu else 1
