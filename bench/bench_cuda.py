@@ -256,8 +256,8 @@ def kernel_speed(device: str, timer: Timer, bandwidth: float, shapes, ms_list) -
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
         for m in ms_list:
             x = torch.randn(m, k, device=device, dtype=dense.dtype)
-            ours = timer.ms(lambda x=x: w4a16_matmul(x, w))
-            cublas = timer.ms(lambda x=x: torch.nn.functional.linear(x, dense))
+            ours = timer.ms(lambda x=x, w=w: w4a16_matmul(x, w))
+            cublas = timer.ms(lambda x=x, d=dense: torch.nn.functional.linear(x, d))
             moved = w.nbytes + x.nbytes + m * n * x.element_size()
             rows.append({
                 "N": n, "K": k, "M": m, "group": group, "ours_us": ours * 1e3,

@@ -74,6 +74,21 @@ LlamaCppTypeOpt = Annotated[
 VerboseOpt = Annotated[
     bool, typer.Option("--verbose", help="let backends' libraries log (llama.cpp)")
 ]
+SwapOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--swap-space-mb",
+        help="host memory for preempted sequences' K/V (offloading; default: cuda 2048, CPU 0)",
+    ),
+]
+PreemptOpt = Annotated[
+    str | None,
+    typer.Option(help="auto | recompute | swap: what preempted K/V become (auto: cheaper, measured)"),
+]
+HeadOpt = Annotated[
+    bool | None,
+    typer.Option("--quantize-lm-head/--no-quantize-lm-head", help="cuda: INT4 LM head"),
+]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")]
 SpecOpt = Annotated[str, typer.Option("--speculative", help="ngram | draft | off")]
 DraftOpt = Annotated[str | None, typer.Option("--draft-model", help="draft model (same tokenizer)")]
@@ -86,7 +101,17 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="replace the output if i
 
 # command parameters that are LLM / EngineConfig options (a command has those it shows)
 LLM_OPTIONS = ("speculative", "draft_model", "num_draft_tokens")
-ENGINE_OPTIONS = ("threads", "dtype", "kv_cache_mb", "max_num_seqs", "verbose", "llamacpp_type")
+ENGINE_OPTIONS = (
+    "threads",
+    "dtype",
+    "kv_cache_mb",
+    "max_num_seqs",
+    "verbose",
+    "llamacpp_type",
+    "swap_space_mb",
+    "preemption",
+    "quantize_lm_head",
+)
 
 
 def _llm(options: dict, **fixed) -> LLM:
@@ -209,6 +234,9 @@ def serve(
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
+    swap_space_mb: SwapOpt = None,
+    preemption: PreemptOpt = None,
+    quantize_lm_head: HeadOpt = None,
     host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
     port: int = 8000,
     api_key: Annotated[
@@ -249,6 +277,7 @@ def bench(
     kv_cache_mb: KVCacheOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
+    quantize_lm_head: HeadOpt = None,
     url: Annotated[
         str | None, typer.Option(help="OpenAI-compatible server (default: in-process engine)")
     ] = None,
