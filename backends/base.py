@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from edgellm.config import EngineConfig, kv_pool_blocks
+
 if TYPE_CHECKING:  # the engine sits above the backends: its types are only named here
     from edgellm.engine.scheduler import ScheduledSeq
     from edgellm.engine.sequence import Sequence
@@ -120,6 +122,17 @@ def flatten_batch(batch: list[ScheduledSeq], block_size: int, all_logits: bool =
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_geometry(args, config: EngineConfig, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(bytes of K/V per token, blocks `kv_cache_mb` holds, the longest sequence): the
+    model's context or the config's limit, and never more tokens than the whole pool."""
+    per_token = kv_bytes_per_token(
+        args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype
+    )
+    num_blocks = kv_pool_blocks(config.kv_cache_mb, config.block_size, per_token)
+    limit = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+    return per_token, num_blocks, min(limit, num_blocks * config.block_size)
 
 
 class HostSwap:

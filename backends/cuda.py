@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from edgellm.backends.base import HostSwap, PoolStorage, flatten_batch, kv_bytes_per_token
-from edgellm.config import EngineConfig, kv_pool_blocks
+from edgellm.backends.base import HostSwap, PoolStorage, flatten_batch, pool_geometry
+from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
+from edgellm.kernels.paged_attention import AttentionMetadata
 from edgellm.loaders.model import LoadedModel
 from edgellm.quantize.build import build_model
 from edgellm.quantize.format import QuantConfig, pack_int32, unpack_int32
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_SWAP_MB = 2048  # pinned host memory for swapped-out K/V when swap_space_mb is None
-MIN_HEAD_DIM = 16  # tensor-core tiles: smaller heads take the reference attention
 
 
 def available() -> bool:
@@ -145,14 +145,7 @@ class CUDABackend(HostSwap, PoolStorage):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.fallbacks: list[str] = []  # layers not on our kernels, and why
-        per_token = kv_bytes_per_token(
-            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.dtype
-        )
-        self.num_blocks = kv_pool_blocks(config.kv_cache_mb, config.block_size, per_token)
-        limit = min(
-            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
-        )
-        self.max_model_len = min(limit, self.num_blocks * config.block_size)
+        per_token, self.num_blocks, self.max_model_len = pool_geometry(args, config, self.dtype)
         self.table_width = -(-self.max_model_len // self.block_size)
         shape = (self.num_blocks, self.block_size, args.num_key_value_heads, args.head_dim)
         self.kv_caches = [
@@ -163,10 +156,6 @@ class CUDABackend(HostSwap, PoolStorage):
             for _ in range(args.num_hidden_layers)
         ]
         self.n_kv_heads = args.num_key_value_heads
-        if args.head_dim < MIN_HEAD_DIM:
-            raise InvalidParameterError(
-                f"head_dim {args.head_dim} is below the attention kernel's {MIN_HEAD_DIM}"
-            )
         head = self._quantized_head(model) if config.quantize_lm_head else None
         self.model = TritonModel(model, self._projection, self.device, self.dtype, head)
         self.projection_bytes = (
@@ -177,7 +166,9 @@ class CUDABackend(HostSwap, PoolStorage):
             )
             + self.model.lm_head.nbytes
         )
-        self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.use_graphs = (
+            config.cuda_graphs and self.device.type == "cuda" and self.model.kernel_attention
+        )
         self.graphs: dict[int, _DecodeGraph] = {}
         self._graph_pool = None
         swap_mb = DEFAULT_SWAP_MB if config.swap_space_mb is None else config.swap_space_mb
@@ -271,6 +262,11 @@ class CUDABackend(HostSwap, PoolStorage):
             qsl.append(qsl[-1] + n)
         total = qsl[-1]
         splits = decode_splits(max(ctx), len(tables), self.n_kv_heads, dev.type == "cuda")
+        meta = None
+        if not self.model.kernel_attention:  # the torch reference reads host-side lengths
+            meta = AttentionMetadata(
+                torch.tensor(slots, device=dev), qsl, ctx, bt.to(device=dev, dtype=torch.long)
+            )
         return StepTensors(
             torch.tensor(ids, device=dev),
             torch.tensor(pos, device=dev),
@@ -281,6 +277,7 @@ class CUDABackend(HostSwap, PoolStorage):
             max(q_lens),
             splits,
             None if len(rows) == total else torch.tensor(rows, device=dev),
+            meta,
         )
 
     def _graph_step(self, ids, pos, slots, tables, ctx) -> torch.Tensor:

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from edgellm.backends.base import kv_bytes_per_token
-from edgellm.config import EngineConfig, kv_pool_blocks
+from edgellm.backends.base import pool_geometry
+from edgellm.config import EngineConfig
 from edgellm.errors import EdgeLLMError, InvalidParameterError
 from edgellm.loaders.gguf_header import scan_gguf
 from edgellm.loaders.model import LoadedModel
@@ -297,14 +297,7 @@ class LlamaCppBackend:
         self.verbose = config.verbose
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
-        per_token = kv_bytes_per_token(
-            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, torch.float16
-        )
-        self.num_blocks = kv_pool_blocks(config.kv_cache_mb, config.block_size, per_token)
-        limit = min(
-            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
-        )
-        self.max_model_len = min(limit, self.num_blocks * config.block_size)
+        _, self.num_blocks, self.max_model_len = pool_geometry(args, config, torch.float16)
         n_live = min(config.max_num_seqs, MAX_SEQ // 2)
         self.threads = config.threads or os.cpu_count() or 1
         self.max_num_batched_tokens = self.n_batch = config.max_num_batched_tokens

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from edgellm.backends.base import PoolStorage, flatten_batch, kv_bytes_per_token
-from edgellm.config import EngineConfig, kv_pool_blocks
+from edgellm.backends.base import PoolStorage, flatten_batch, pool_geometry
+from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
 from edgellm.kernels.paged_attention_mlx import MLXKVPool, StepAttention
 from edgellm.loaders.model import LoadedModel
@@ -125,15 +125,9 @@ class MLXBackend(PoolStorage):
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        per_token = kv_bytes_per_token(
-            args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
-            getattr(torch, resolve_dtype(config.dtype)),
-        )  # fmt: skip
-        self.num_blocks = kv_pool_blocks(config.kv_cache_mb, config.block_size, per_token)
-        limit = min(
-            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
+        _, self.num_blocks, self.max_model_len = pool_geometry(
+            args, config, getattr(torch, resolve_dtype(config.dtype))
         )
-        self.max_model_len = min(limit, self.num_blocks * config.block_size)
         tensors = {}
         for name, t in weights.tensors.items():
             if t.dtype == torch.uint32:  # packed codes as they are

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edgellm.backends.base import HostSwap, PoolStorage, flatten_batch, kv_bytes_per_token
-from edgellm.config import EngineConfig, kv_pool_blocks
+from edgellm.backends.base import HostSwap, PoolStorage, flatten_batch, pool_geometry
+from edgellm.config import EngineConfig
 from edgellm.kernels import cpu
 from edgellm.kernels.paged_attention import AttentionMetadata
 from edgellm.loaders.model import LoadedModel
@@ -52,15 +52,7 @@ class TorchBackend(HostSwap, PoolStorage):
         self.vocab_size = args.vocab_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         dtype = next(model.parameters()).dtype  # the embeddings': the model's float dtype
-        per_token = kv_bytes_per_token(
-            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype
-        )
-        self.num_blocks = kv_pool_blocks(config.kv_cache_mb, config.block_size, per_token)
-        # one sequence can never hold more tokens than the whole pool
-        limit = min(
-            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
-        )
-        self.max_model_len = min(limit, self.num_blocks * config.block_size)
+        per_token, self.num_blocks, self.max_model_len = pool_geometry(args, config, dtype)
         shape = (self.num_blocks, config.block_size, args.num_key_value_heads, args.head_dim)
         # [num_blocks, block_size, n_kv_heads, head_dim] per layer, for K and V
         self.kv_caches = [

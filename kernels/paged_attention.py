@@ -65,7 +65,7 @@ def paged_attention(
     qsl = meta.query_start_loc
     decodes = [b for b in range(len(meta.context_lens)) if qsl[b + 1] - qsl[b] == 1]
     if len(decodes) > 1:
-        rows = torch.tensor([qsl[b] for b in decodes])
+        rows = torch.tensor([qsl[b] for b in decodes], device=q.device)
         out[rows] = _decode_attention(
             q[rows], k_cache, v_cache, meta.block_tables[decodes],
             [meta.context_lens[b] for b in decodes], scale,
@@ -88,8 +88,8 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # query i sits at absolute position ctx - n + i and sees keys 0..that position
-        rows = torch.arange(ctx - n, ctx)[:, None]
-        mask = torch.arange(ctx)[None, :] <= rows  # [n, ctx]
+        rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [n, ctx]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 
@@ -104,12 +104,12 @@ def _decode_attention(
 ) -> torch.Tensor:  # [B, H, D]
     """Sequences that decode one token: gather padded contexts and attend in one call."""
     bs = k_cache.shape[1]
-    lens = torch.tensor(context_lens)
+    lens = torch.tensor(context_lens, device=q.device)
     n_blocks = -(-int(lens.max()) // bs)
     table = block_tables[:, :n_blocks]  # [B, nb]
     k = k_cache[table].flatten(1, 2)  # [B, L, KVH, D]
     v = v_cache[table].flatten(1, 2)
-    mask = torch.arange(k.shape[1])[None, :] < lens[:, None]  # [B, L]
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
     # one query per sequence: plain matmuls in float32 over grouped heads beat SDPA's
     # masked GQA path on CPU (much so in bf16)
     b, h, d = q.shape

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 TILE_N = 64  # keys per inner step
+HEAD_DIMS = (16, 256)  # head sizes the kernels take: tensor-core tiles, registers
 NEG = -1.0e30  # a finite "minus infinity": masked rows never produce NaN
 
 
@@ -40,6 +41,20 @@ def _load_kv_tile(CACHE, BT, b, keys, n_ctx, kvh, stride_bt, KVH: tl.constexpr, 
     offs_d = tl.arange(0, BLOCK_D)
     ptrs = CACHE + (slot[:, None] * KVH + kvh) * D + offs_d[None, :]
     return tl.load(ptrs, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale):
+    """One key tile of flash attention: scores of the visible (row, key) pairs, the running
+    max / sum rescaled, the tile's values accumulated (float32)."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [rows, tile]
+    s = tl.where(visible, s, NEG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_new, acc
 
 
 @triton.jit
@@ -74,15 +89,8 @@ def _mixed_kernel(
         keys = start + tl.arange(0, TILE)
         k = _load_kv_tile(KC, BT, b, keys, last, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
         v = _load_kv_tile(VC, BT, b, keys, last, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [R, TILE] float32
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < last) & row_ok[:, None]
-        s = tl.where(visible, s, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = (
         OUT + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -121,15 +129,8 @@ def _decode_kernel(
         keys = start + tl.arange(0, TILE)
         k = _load_kv_tile(KC, BT, b, keys, hi, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
         v = _load_kv_tile(VC, BT, b, keys, hi, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
         visible = (keys[None, :] < hi) & row_ok[:, None]
-        s = tl.where(visible, s, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), NEG)
@@ -165,6 +166,10 @@ def _reduce_kernel(
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(OUT + b * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
              mask=offs_d < D)  # fmt: skip
+
+
+def kernel_takes(head_dim: int) -> bool:
+    return HEAD_DIMS[0] <= head_dim <= HEAD_DIMS[1]
 
 
 def _shape(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int, int]:

@@ -14,12 +14,19 @@ captured in a CUDA graph and replayed with new contents.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from edgellm.kernels.triton_attention import paged_attention_triton, paged_decode_triton
+from edgellm.kernels.paged_attention import AttentionMetadata, paged_attention
+from edgellm.kernels.triton_attention import (
+    HEAD_DIMS,
+    kernel_takes,
+    paged_attention_triton,
+    paged_decode_triton,
+)
 from edgellm.kernels.triton_fused import rms_norm, rope_and_cache, silu_and_mul
 from edgellm.models.llama import Model
 
@@ -40,6 +47,7 @@ class StepTensors:
     max_query_len: int
     num_splits: int  # split-KV programs per sequence on decode-only steps
     logits_indices: torch.Tensor | None  # [N] rows that need logits; None: all
+    meta: AttentionMetadata | None = None  # for the reference attention (`kernel_attention`)
 
     @property
     def decode_only(self) -> bool:
@@ -70,6 +78,14 @@ class TritonModel:
         self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
         self.eps = args.rms_norm_eps
         self.scale = args.head_dim**-0.5
+        # head sizes the attention kernels cannot take run the torch reference instead
+        self.kernel_attention = kernel_takes(args.head_dim)
+        if not self.kernel_attention:
+            warnings.warn(
+                f"head_dim {args.head_dim} is outside the attention kernels' {HEAD_DIMS}: "
+                "attention runs the torch reference (slower, no CUDA graphs)",
+                stacklevel=2,
+            )
 
         def vec(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
@@ -115,6 +131,8 @@ class TritonModel:
         return self.lm_head(rms_norm(h, self.norm, self.eps, residual)).float()
 
     def _attention(self, q, k_cache, v_cache, step: StepTensors) -> torch.Tensor:
+        if not self.kernel_attention:
+            return paged_attention(q, k_cache, v_cache, step.meta, self.scale)
         if step.decode_only:
             return paged_decode_triton(
                 q, k_cache, v_cache, step.block_tables, step.context_lens, self.scale,

@@ -357,3 +357,33 @@ def test_speculative_decoding_on_the_backend_keeps_greedy_output():
     got = run_all(engine, [prompt], greedy)[0].outputs[0].token_ids
     assert got == want
     assert engine.stats["steps"] < plain.stats["steps"]  # drafts were accepted
+
+
+def test_head_sizes_the_attention_kernels_cannot_take_fall_back_to_the_reference():
+    """head_dim 8 (below a tensor-core tile): a warning, the torch reference attention, and
+    the same greedy tokens as the torch backend, never a wrong answer."""
+    hf, config = tiny_hf_model("llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    cfg = EngineConfig(kv_cache_mb=1.0, block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = ["small heads", "x"]
+    ref = Engine(TorchBackend(ours_from_hf(hf, config), cfg), byte_tokenizer(), cfg)
+    with pytest.warns(UserWarning, match="head_dim 8"):
+        b = cuda_backend(ours_from_hf(hf, config), cfg)
+    assert not b.model.kernel_attention and not b.use_graphs
+    ours = Engine(b, byte_tokenizer(), cfg)
+    want = [o.outputs[0].token_ids for o in run_all(ref, prompts, greedy)]
+    assert [o.outputs[0].token_ids for o in run_all(ours, prompts, greedy)] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_equals_the_eager_step():
+    hf, config = tiny_hf_model("llama", **GQA)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["graphs", "are replayed", "for decode steps"]
+    outs = []
+    for graphs in (False, True):
+        cfg = EngineConfig(kv_cache_mb=1.0, block_size=4, cuda_graphs=graphs)
+        b = cuda_backend(ours_from_hf(hf, config), cfg)
+        outs.append([o.outputs[0].token_ids for o in run_all(Engine(b, byte_tokenizer(), cfg), prompts, greedy)])
+        assert bool(b.graphs) == graphs
+    assert outs[0] == outs[1]
