@@ -246,7 +246,8 @@ class CUDABackend(HostSwap, PoolStorage):
         ids, pos, slots, rows, q_lens, starts = flatten_batch(batch, self.block_size, all_logits)
         ctx = [s + n for s, n in zip(starts, q_lens, strict=True)]
         tables = [item.seq.block_table for item in batch]
-        if self.use_graphs and max(q_lens) == 1 and len(batch) <= min(self.max_num_seqs, 256):
+        graphable = max(q_lens) == 1 and len(rows) == len(batch)  # one token, one logit row each
+        if self.use_graphs and graphable and len(batch) <= min(self.max_num_seqs, 256):
             return self._graph_step(ids, pos, slots, tables, ctx)
         step = self._step_tensors(ids, pos, slots, tables, ctx, q_lens, rows)
         return self.model(step, self.kv_caches).cpu()

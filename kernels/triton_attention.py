@@ -28,7 +28,7 @@ import triton.language as tl
 
 TILE_N = 64  # keys per inner step
 HEAD_DIMS = (16, 256)  # head sizes the kernels take: tensor-core tiles, registers
-NEG = -1.0e30  # a finite "minus infinity": masked rows never produce NaN
+NEG = tl.constexpr(-1.0e30)  # a finite "minus infinity": masked rows never produce NaN
 
 
 @triton.jit
@@ -180,6 +180,14 @@ def _shape(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int, 
     return h, kvh, d, block_size, h // kvh
 
 
+def mixed_config(max_query_len: int, group: int) -> tuple[int, int]:
+    """(padded heads per KV head, query tokens per program) of the mixed kernel: at least 16
+    rows a program (tensor-core tiles), 64 when some sequence brings a prefill chunk."""
+    g_pad = triton.next_power_of_2(group)
+    rows = 64 if max_query_len > 16 // min(g_pad, 16) else 16
+    return g_pad, max(rows // g_pad, 1)
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -195,10 +203,7 @@ def paged_attention_triton(
     h, kvh, d, block_size, g = _shape(q, k_cache)
     out = torch.empty_like(q) if out is None else out
     b = block_tables.shape[0]
-    g_pad = triton.next_power_of_2(g)
-    # rows per program: at least 16 (tensor-core tiles), 64 for prefill chunks
-    rows = 64 if max_query_len > 16 // min(g_pad, 16) else 16
-    block_q = max(rows // g_pad, 1)
+    g_pad, block_q = mixed_config(max_query_len, g)
     grid = (b, kvh, triton.cdiv(max_query_len, block_q))
     _mixed_kernel[grid](
         q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, scale,
