@@ -53,7 +53,7 @@ class Compiled:
 def _variants() -> list[tuple[str, object, dict, dict]]:
     """(name, kernel, pointer types, constexprs) in the configurations the wrappers launch."""
     out = []
-    w4_ptrs = {"X": "*bf16", "W": "*i32", "S": "*fp32", "Z": "*i8", "OUT": "*fp32"}
+    w4_ptrs = {"X": "*bf16", "W": "*i32", "S": "*fp32", "Z": "*i8", "B": "*fp32", "OUT": "*bf16"}
     for m, n, k, group, zero in [(1, 4096, 4096, 128, False), (1, 1536, 576, 64, True),
                                  (4, 14336, 4096, 128, False), (16, 4096, 4096, 128, True),
                                  (64, 4096, 14336, 128, False)]:  # fmt: skip
@@ -61,8 +61,13 @@ def _variants() -> list[tuple[str, object, dict, dict]]:
         cfg.pop("split_k")
         out.append((
             f"w4a16 M={m} ({n}, {k}) g{group}{' asym' if zero else ''}", w4._w4a16_kernel,
-            w4_ptrs, {"GROUP": group, "HAS_ZERO": zero, **cfg},
+            w4_ptrs, {"GROUP": group, "HAS_ZERO": zero, "HAS_BIAS": zero, **cfg},
         ))  # fmt: skip
+    out.append((
+        "w4a16 split-K reduce", w4._splitk_reduce_kernel,
+        {"PART": "*fp32", "B": "*fp32", "OUT": "*bf16"},
+        {"SPLITS": 4, "HAS_BIAS": True, "BLOCK": 1024},
+    ))  # fmt: skip
     out.append((
         "w4a16 dequantize g128", w4._dequant_kernel,
         {"W": "*i32", "S": "*fp32", "Z": "*i8", "OUT": "*bf16"},

@@ -126,12 +126,13 @@ def _dequant_tile(
 
 @triton.jit
 def _w4a16_kernel(
-    X, W, S, Z, OUT,
+    X, W, S, Z, B, OUT,
     M, N, K, ldw, n_groups, stride_xm, k_per_split,
-    GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """OUT[pid_k, m, n] = partial sums over this program's K range (float32)."""
+    """OUT[pid_k, m, n] = partial sums over this program's K range (float32); with one K
+    range (no split) the finished y (+ bias) in OUT's dtype."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -151,8 +152,26 @@ def _w4a16_kernel(
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:  # only without a split: the sums are final
+        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     out_ptrs = OUT + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
-    tl.store(out_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    PART, B, OUT, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """OUT = sum over splits of PART [SPLITS, M*N] (+ bias), in a fixed order, cast once."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(PART + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -214,18 +233,24 @@ def w4a16_matmul(
     bk = cfg["BLOCK_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
-    out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    # one K range: the kernel writes y itself; several: float32 partials, reduced once
+    part = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     zeros = w.zeros if w.zeros is not None else w.scales  # never read when symmetric
+    b = bias if bias is not None else w.scales  # never read without a bias
     _w4a16_kernel[grid](
-        x2, w.packed, w.scales, zeros, out,
+        x2, w.packed, w.scales, zeros, b, part,
         m, n, k, w.packed.shape[1], w.scales.shape[1], x2.stride(0), k_per_split,
-        GROUP=w.group, HAS_ZERO=w.zeros is not None, **cfg,
+        GROUP=w.group, HAS_ZERO=w.zeros is not None, HAS_BIAS=bias is not None and split == 1,
+        **cfg,
     )  # fmt: skip
-    y = out[0] if split == 1 else out.sum(0)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*shape[:-1], n)
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, b, y, m * n, n, SPLITS=split, HAS_BIAS=bias is not None, BLOCK=block
+        )
+    return y.view(*shape[:-1], n)
 
 
 def dequantize_w4a16(w: W4A16Weight, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
