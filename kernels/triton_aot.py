@@ -63,6 +63,13 @@ def _variants() -> list[tuple[str, object, dict, dict]]:
             f"w4a16 M={m} ({n}, {k}) g{group}{' asym' if zero else ''}", w4._w4a16_kernel,
             w4_ptrs, {"GROUP": group, "HAS_ZERO": zero, "HAS_BIAS": zero, **cfg},
         ))  # fmt: skip
+    cfg = w4.launch_config(16, 256, 576, 64, on_gpu=True)
+    cfg.pop("split_k")
+    out.append((
+        "w4a16 M=16 float32 (the tests' path on a GPU)", w4._w4a16_kernel,
+        {**w4_ptrs, "X": "*fp32", "OUT": "*fp32"},
+        {"GROUP": 64, "HAS_ZERO": True, "HAS_BIAS": True, **cfg},
+    ))  # fmt: skip
     out.append((
         "w4a16 split-K reduce", w4._splitk_reduce_kernel,
         {"PART": "*fp32", "B": "*fp32", "OUT": "*bf16"},
@@ -96,6 +103,13 @@ def _variants() -> list[tuple[str, object, dict, dict]]:
             {"H": h, "D": d, "BLOCK_D": triton.next_power_of_2(d), "NUM_SPLITS": 16,
              "SPLITS_PAD": 16},
         ))  # fmt: skip
+    fp32 = {k: "*fp32" if v == "*bf16" else v for k, v in kv.items()}
+    g_pad, block_q = attn.mixed_config(8, 3)
+    out.append((
+        "attention mixed 6/2x16 float32 (the tests' path)", attn._mixed_kernel, fp32,
+        {"H": 6, "KVH": 2, "G": 3, "G_PAD": g_pad, "D": 16, "BLOCK_D": 16, "BLOCK_Q": block_q,
+         "BLOCK_SIZE": 4, "TILE": attn.TILE_N},
+    ))  # fmt: skip
     out += [
         ("rms_norm + residual 4096", fused._rms_norm_kernel,
          {"X": "*bf16", "R": "*bf16", "W": "*bf16", "OUT": "*bf16"},

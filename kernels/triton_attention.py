@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgellm.kernels.triton_fused import dot
+
 TILE_N = 64  # keys per inner step
 HEAD_DIMS = (16, 256)  # head sizes the kernels take: tensor-core tiles, registers
 NEG = tl.constexpr(-1.0e30)  # a finite "minus infinity": masked rows never produce NaN
@@ -47,13 +49,13 @@ def _load_kv_tile(CACHE, BT, b, keys, n_ctx, kvh, stride_bt, KVH: tl.constexpr, 
 def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale):
     """One key tile of flash attention: scores of the visible (row, key) pairs, the running
     max / sum rescaled, the tile's values accumulated (float32)."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [rows, tile]
+    s = dot(q, tl.trans(k.to(q.dtype))) * scale  # [rows, tile]
     s = tl.where(visible, s, NEG)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
     l_new = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v).to(tl.float32)
     return m_new, l_new, acc
 
 

@@ -17,6 +17,17 @@ import triton.language as tl
 
 
 @triton.jit
+def dot(a, b):
+    """tl.dot, in full float32 (not TF32) when the inputs are float32: the float32 path is the
+    one held to the torch reference exactly; bf16/fp16 inputs take the tensor cores as is."""
+    if a.dtype == tl.float32:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
 def _rms_norm_kernel(
     X, R, W, OUT, stride_x, stride_r, stride_o, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgellm.kernels.triton_fused import dot
+
 GEMV_MAX_M = 4  # rows computed without tensor cores
 DEQUANT_MIN_M = 512  # from this many rows: dequantize once, then a dense matmul
 TARGET_PROGRAMS = 264  # split-K aims for about this many programs (2 per SM of an H100/H200)
@@ -149,7 +151,7 @@ def _w4a16_kernel(
             W, S, Z, offs_n, k0, N, K, ldw, n_groups, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K
         )
         if USE_DOT:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += dot(x, tl.trans(w.to(x.dtype)))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:  # only without a split: the sums are final

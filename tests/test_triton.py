@@ -405,4 +405,4 @@ def test_every_kernel_compiles_for_hopper_without_spills():
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "18 kernels compiled for sm_90" in run.stdout
+    assert "20 kernels compiled for sm_90" in run.stdout
