@@ -150,9 +150,9 @@ def cuda_backend(model, config):
     """The CUDA backend on a GPU, else on the CPU through Triton's interpreter (float32)."""
     from edgellm.backends.cuda import CUDABackend
 
-    if torch.cuda.is_available():
-        return CUDABackend(model.cuda(), config, "cuda", next(model.parameters()).dtype)
-    return CUDABackend(model, config, "cpu", torch.float32)
+    # the backend copies what it needs to its device: `model` stays where it is (on the CPU)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CUDABackend(model, config, device, next(model.parameters()).dtype)
 
 
 def triton_runs() -> bool:
