@@ -30,7 +30,8 @@ HELD = {
     ),
 }
 # numerics: torch is exact against itself; llama.cpp's float sums depend on batch shape
-TOL = {"torch": 1e-5, "llamacpp": 2e-2, "mlx": 1e-5, "cuda": 1e-4}
+# cuda: float32 through the interpreter here; bf16 (its default) on a GPU
+TOL = {"torch": 1e-5, "llamacpp": 2e-2, "mlx": 1e-5, "cuda": 2e-2 if torch.cuda.is_available() else 1e-4}
 
 
 @pytest.fixture(scope="module")
