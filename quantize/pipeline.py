@@ -205,7 +205,7 @@ def quantize(
         CheckpointWriter(
             out_dir, args, loaded.tokenizer, opts.qconfig, _provenance(loaded, opts), force=force
         ) as writer,
-        _bar(progress, args.num_hidden_layers, opts.method) as advance,
+        LayerBar(progress, args.num_hidden_layers, f"quantize ({opts.method})") as advance,
     ):
         for i in range(args.num_hidden_layers):
             layer = load_layer(args, loaded.weights, i)
@@ -279,18 +279,18 @@ def _dense_names(loaded) -> list[str]:
     return names
 
 
-class _bar:
-    """A rich progress bar over layers (or nothing)."""
+class LayerBar:
+    """A rich progress bar over layers (or nothing), labelled e.g. "quantize (awq)"."""
 
-    def __init__(self, enabled: bool, total: int, what: str):
-        self.enabled, self.total, self.what = enabled, total, what
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled, self.total, self.label = enabled, total, label
 
     def __enter__(self):
         if not self.enabled:
             return lambda: None
 
         self.progress = Progress(
-            TextColumn(f"quantize ({self.what})"),
+            TextColumn(self.label),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("layers"),

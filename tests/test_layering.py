@@ -22,6 +22,7 @@ LAYERS = [
     "models",
     "loaders",
     "quantize",
+    "distill",
     "backends",
     "sampling",
     "engine",

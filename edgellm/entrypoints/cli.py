@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 
 from edgellm.backends.registry import CHOICES
+from edgellm.distill.prune import PruneOptions
+from edgellm.distill.prune import prune as run_prune
 from edgellm.engine.outputs import RequestOutput
 from edgellm.entrypoints.async_engine import AsyncEngine
 from edgellm.entrypoints.chat import run_chat
@@ -400,6 +402,41 @@ def quantize(
         model, out, opts, force=force, eval_text="sotu" if eval_ else None, measure_ppl=measure_ppl
     )
     print_report(report)
+
+
+@app.command()
+def prune(
+    model: ModelArg = None,
+    out: Annotated[str, typer.Option("--out", "-o", help="output HF directory")] = "",
+    drop_layers: Annotated[
+        int, typer.Option(help="decoder layers to remove (lowest Block Influence first)")
+    ] = 0,
+    mlp_width: Annotated[
+        int | None, typer.Option(help="MLP channels kept per layer (a multiple of 32)")
+    ] = None,
+    heads: Annotated[
+        int | None, typer.Option(help="query heads kept per layer (whole KV groups)")
+    ] = None,
+    calib: Annotated[str, typer.Option(help="sotu | shakespeare | a .txt or .jsonl file")] = "sotu",
+    samples: Annotated[int, typer.Option(help="calibration samples")] = 32,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration sample")] = 256,
+    seed: int = 0,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "bfloat16",
+    force: ForceOpt = False,
+):
+    """Structured pruning of a float model into a smaller one of the same architecture
+    (layers by Block Influence, MLP channels and KV groups by activation); no retraining yet."""
+    if not out:
+        raise InvalidParameterError("--out/-o is required")
+    opts = PruneOptions(drop_layers, mlp_width, heads, 32, calib, samples, seq_len, seed, dtype)
+    path, plan, imp = run_prune(model, out, opts, force=force, progress=True)
+    a = load_model(str(path)).args
+    influence = ", ".join(f"{i}:{b:.3f}" for i, b in enumerate(imp.block_influence))
+    print(f"block influence (layer:BI): {influence}")
+    print(
+        f"kept layers {plan.layers}; {a.num_hidden_layers} layers, MLP {a.intermediate_size}, "
+        f"{a.num_attention_heads}/{a.num_key_value_heads} heads -> {path}"
+    )
 
 
 @export_app.command("gguf")
