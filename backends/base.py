@@ -120,6 +120,18 @@ def flatten_batch(batch: list[ScheduledSeq], block_size: int, all_logits: bool =
     return ids, pos, slots, rows, q_lens, starts
 
 
+def copy_pool_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies) -> None:
+    """Copy-on-write in a per-layer (K, V) tensor pool: block src's K/V into block dst."""
+    if not copies:
+        return
+    dev = kv_caches[0][0].device
+    src = torch.tensor([s for s, _ in copies], device=dev)
+    dst = torch.tensor([d for _, d in copies], device=dev)
+    for k, v in kv_caches:
+        k[dst] = k[src]
+        v[dst] = v[src]
+
+
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 

@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from edgellm.backends.base import HostSwap, PoolStorage, flatten_batch, pool_geometry
+from edgellm.backends.base import (
+    HostSwap,
+    PoolStorage,
+    copy_pool_blocks,
+    flatten_batch,
+    pool_geometry,
+)
 from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
 from edgellm.kernels.paged_attention import AttentionMetadata
@@ -200,9 +206,9 @@ class CUDABackend(HostSwap, PoolStorage):
             return QuantProjection(weight, bias)
         for m in modules:
             if isinstance(m, QuantLinear) and not _kernel_takes(m):
-                self.fallbacks.append(f"{m.extra_repr()}: not 4-bit, dequantized to dense")
-        if self.fallbacks:
-            warnings.warn(f"the W4A16 kernel cannot take {self.fallbacks[-1]}", stacklevel=2)
+                why = f"{m.extra_repr()}: not 4-bit, dequantized to dense"
+                self.fallbacks.append(why)
+                warnings.warn(f"the W4A16 kernel cannot take {why}", stacklevel=2)
         weight = torch.cat([_dense(m).float() for m in modules])
         return DenseProjection(
             weight.to(device=self.device, dtype=self.dtype),
@@ -233,13 +239,7 @@ class CUDABackend(HostSwap, PoolStorage):
             torch.cuda.empty_cache()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        copy_pool_blocks(self.kv_caches, copies)
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:

@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edgellm.backends.base import HostSwap, PoolStorage, flatten_batch, pool_geometry
+from edgellm.backends.base import (
+    HostSwap,
+    PoolStorage,
+    copy_pool_blocks,
+    flatten_batch,
+    pool_geometry,
+)
 from edgellm.config import EngineConfig
 from edgellm.kernels import cpu
 from edgellm.kernels.paged_attention import AttentionMetadata
@@ -79,13 +85,7 @@ class TorchBackend(HostSwap, PoolStorage):
         self.close_swap()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies])
-        dst = torch.tensor([d for _, d in copies])
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        copy_pool_blocks(self.kv_caches, copies)
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:

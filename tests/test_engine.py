@@ -79,6 +79,15 @@ def test_recompute_mode_and_a_full_host_pool_fall_back_to_recomputing():
     assert tiny_pool.scheduler.num_preemptions > 0
 
 
+def test_bad_offloading_options_are_clear_errors():
+    from edgellm.config import EngineConfig
+
+    with pytest.raises(InvalidParameterError, match="unknown preemption"):
+        EngineConfig(preemption="sometimes")
+    with pytest.raises(InvalidParameterError, match="swap_space_mb"):
+        EngineConfig(swap_space_mb=-1)
+
+
 def test_aborting_a_swapped_sequence_frees_its_host_blocks():
     eng = tiny_engine(
         kv_cache_mb=20 * 4 * 512 / 2**20, block_size=4, swap_space_mb=1, preemption="swap"
