@@ -59,6 +59,16 @@ def _chat(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=False)
 
 
+def token_stream(tokenizer, source: str = "sotu", chat_template: bool = False) -> list[int]:
+    """The documents of a calibration source as one token stream, each ended by EOS."""
+    stream: list[int] = []
+    for doc in calibration_documents(source, tokenizer, chat_template):
+        stream += tokenizer.encode(doc, add_special_tokens=False)
+        if tokenizer.eos_id is not None:
+            stream.append(tokenizer.eos_id)
+    return stream
+
+
 def calibration_tokens(
     tokenizer,
     source: str = "sotu",
@@ -70,12 +80,7 @@ def calibration_tokens(
     """`n_samples` windows of `seq_len` tokens, drawn at seeded random offsets."""
     if n_samples < 1 or seq_len < 2:
         raise InvalidParameterError("calibration needs at least 1 sample of at least 2 tokens")
-    docs = calibration_documents(source, tokenizer, chat_template)
-    stream: list[int] = []
-    for doc in docs:
-        stream += tokenizer.encode(doc, add_special_tokens=False)
-        if tokenizer.eos_id is not None:
-            stream.append(tokenizer.eos_id)
+    stream = token_stream(tokenizer, source, chat_template)
     if len(stream) < seq_len:
         raise InvalidParameterError(
             f"calibration text {source!r} has {len(stream)} tokens, fewer than one sample of {seq_len}"

@@ -12,6 +12,9 @@ import typer
 from rich.console import Console
 
 from edgellm.backends.registry import CHOICES
+from edgellm.distill.pipeline import DistillOptions
+from edgellm.distill.pipeline import distill as run_distill
+from edgellm.distill.pipeline import print_report as print_distill_report
 from edgellm.distill.prune import PruneOptions
 from edgellm.distill.prune import prune as run_prune
 from edgellm.engine.outputs import RequestOutput
@@ -425,7 +428,8 @@ def prune(
     force: ForceOpt = False,
 ):
     """Structured pruning of a float model into a smaller one of the same architecture
-    (layers by Block Influence, MLP channels and KV groups by activation); no retraining yet."""
+    (layers by Block Influence, MLP channels and KV groups by activation); `edgellm distill`
+    with the same options prunes and then recovers the quality by distillation."""
     if not out:
         raise InvalidParameterError("--out/-o is required")
     opts = PruneOptions(drop_layers, mlp_width, heads, 32, calib, samples, seq_len, seed, dtype)
@@ -437,6 +441,55 @@ def prune(
         f"kept layers {plan.layers}; {a.num_hidden_layers} layers, MLP {a.intermediate_size}, "
         f"{a.num_attention_heads}/{a.num_key_value_heads} heads -> {path}"
     )
+
+
+@app.command()
+def distill(
+    model: ModelArg = None,
+    out: Annotated[str, typer.Option("--out", "-o", help="output directory")] = "",
+    bits: Annotated[
+        int | None, typer.Option(help="distil into INT (4): learn scales/zero points from --init")
+    ] = None,
+    group_size: Annotated[int, typer.Option(help="INT group size (-1: per channel)")] = 128,
+    sym: Annotated[bool, typer.Option("--sym/--asym", help="symmetric or asymmetric groups")] = True,
+    init: Annotated[str, typer.Option(help="INT start: awq | gptq | rtn")] = "awq",
+    drop_layers: Annotated[int, typer.Option(help="prune: decoder layers to remove")] = 0,
+    mlp_width: Annotated[int | None, typer.Option(help="prune: MLP channels kept")] = None,
+    heads: Annotated[int | None, typer.Option(help="prune: query heads kept")] = None,
+    student: Annotated[
+        str | None, typer.Option(help="an existing student (pruned model or INT checkpoint)")
+    ] = None,
+    loss: Annotated[str, typer.Option(help="kl (to the teacher) | ce (plain fine-tuning)")] = "kl",
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 200,
+    batch: Annotated[int, typer.Option(help="windows per step")] = 4,
+    seq_len: Annotated[int, typer.Option(help="tokens per window")] = 256,
+    lr: Annotated[
+        float | None, typer.Option(help="peak learning rate (default 1e-3 INT, 1e-4 float)")
+    ] = None,
+    train_embeddings: Annotated[
+        bool, typer.Option("--train-embeddings/--freeze-embeddings", help="train the embeddings")
+    ] = False,
+    calib: Annotated[str, typer.Option(help="sotu | shakespeare | a .txt or .jsonl file")] = "sotu",
+    chat_template: Annotated[bool, typer.Option(help="JSONL messages through the chat template")] = False,
+    seed: int = 0,
+    resume: Annotated[bool, typer.Option(help="continue an interrupted run (same options)")] = False,
+    force: ForceOpt = False,
+):
+    """Distil the float MODEL (the teacher) into an INT4 checkpoint (--bits 4) or a pruned
+    model (--drop-layers/--mlp-width/--heads): the student learns the teacher's logits."""
+    if not out:
+        raise InvalidParameterError("--out/-o is required")
+    opts = DistillOptions(
+        bits=bits, group_size=group_size, symmetric=sym, init=init, drop_layers=drop_layers,
+        mlp_width=mlp_width, heads=heads, student=student, loss=loss, steps=steps, batch=batch,
+        seq_len=seq_len, lr=lr, freeze_embeddings=not train_embeddings, calib=calib,
+        chat_template=chat_template, seed=seed,
+    )  # fmt: skip
+    try:
+        report = run_distill(model, out, opts, force=force, resume=resume)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    print_distill_report(report)
 
 
 @export_app.command("gguf")
