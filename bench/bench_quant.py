@@ -122,7 +122,7 @@ def main() -> None:
     from rich.console import Console
     from rich.progress import Progress
 
-    from edgellm.quantize.pipeline import measure_ppl
+    from edgellm.entrypoints.llm import measure_ppl
     from edgellm.registry import resolve_model
 
     console = Console()

@@ -202,6 +202,8 @@ def test_bad_options_are_one_clear_error_and_write_nothing(tmp_path):
         with pytest.raises(InvalidParameterError, match=match):
             distill(str(src), out, opts, progress=False)
         assert not out.exists() and not (tmp_path / "bad.distill-work").exists()
+    with pytest.raises(InvalidParameterError, match="is the training text"):
+        distill(str(src), out, int_options(calib="shakespeare"), eval_text="shakespeare")
     with pytest.raises(InvalidParameterError, match="no saved state"):
         distill(str(src), out, int_options(), progress=False, resume=True)
     (tmp_path / "exists").mkdir()
@@ -217,8 +219,8 @@ def test_training_windows_never_overlap_held_out_or_evaluation_text():
     stream = list(range(1000))  # distinct tokens: overlap would show as a shared value
     train_w, held = split_windows(stream, 64, 3, seed=1)
     assert len(train_w) == 1000 // 64 - 3 and len(held) == 3
-    seen = [t for w in train_w for t in w]
-    assert len(seen) == len(set(seen)) and not set(seen) & {t for w in held for t in w}
+    seen = train_w.flatten().tolist()
+    assert len(seen) == len(set(seen)) and not set(seen) & set(held.flatten().tolist())
     # built-in sotu: the training split (before 2000) shares no address with the evaluation one
     calib, evaluation = calibration_documents("sotu"), text_documents("sotu")
     assert calib and evaluation and not set(calib) & set(evaluation)
@@ -232,9 +234,9 @@ def test_cli_distill(tmp_path, capsys, monkeypatch):
     src = sharpened_teacher(tmp_path)
     args = ["distill", str(src), "-o", str(tmp_path / "cli"), "--bits", "4", "--group-size", "32"]
     args += ["--init", "rtn", "--steps", "2", "--batch", "1", "--seq-len", "32"]
-    args += ["--calib", CALIB["calib"]]
+    args += ["--calib", CALIB["calib"], "--eval-text", "sotu"]
     code, stdout, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
-    assert "held-out KL" in stdout and "peak memory" in stdout
+    assert "held-out KL" in stdout and "peak memory" in stdout and "perplexity sotu" in stdout
     code, _, err = run_cli(["distill", str(src), "-o", str(tmp_path / "x")], capsys, monkeypatch)
     assert code != 0 and "nothing to distil" in err

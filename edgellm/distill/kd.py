@@ -35,6 +35,7 @@ from edgellm.quantize.format import pack_int32
 from edgellm.quantize.linear import QuantLinear
 
 LOSSES = ("kl", "ce")
+Windows = torch.Tensor | list[list[int]]  # token windows [n, L]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +83,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def kl_to_teacher(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """Forward KL(teacher || student) per token, averaged: sum p_t (log p_t - log p_s)."""
-    t = F.log_softmax(teacher_logits / temperature, dim=-1)
-    s = F.log_softmax(student_logits / temperature, dim=-1)
-    return (t.exp() * (t - s)).sum(-1).mean() * temperature**2
+    """Forward KL(teacher || student) per token, averaged: sum p_t (log p_t - log p_s).
+
+    The teacher's side is computed without a graph, so training holds one vocabulary-wide
+    tensor per token fewer than the textbook expression."""
+    if temperature != 1.0:
+        teacher_logits, student_logits = teacher_logits / temperature, student_logits / temperature
+    with torch.no_grad():
+        t = F.log_softmax(teacher_logits, dim=-1)
+        p = t.exp()
+        neg_entropy = (p * t).sum(-1)
+        del t
+    s = F.log_softmax(student_logits, dim=-1)
+    return (neg_entropy - (p * s).sum(-1)).mean() * temperature**2
 
 
 def next_token_ce(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -93,21 +103,21 @@ def next_token_ce(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_kl(student: nn.Module, teacher: nn.Module, windows: list[list[int]]) -> float:
+def held_out_kl(student: nn.Module, teacher: nn.Module, windows: Windows) -> float:
     """Mean per-token KL(teacher || student) over `windows`, one window at a time."""
     total = 0.0
     for w in windows:
-        x = torch.tensor([w])
+        x = torch.as_tensor(w)[None]
         total += float(kl_to_teacher(train_forward(student, x), train_forward(teacher, x)))
     return total / len(windows)
 
 
 @torch.no_grad()
-def windows_ppl(model: nn.Module, windows: list[list[int]]) -> float:
+def windows_ppl(model: nn.Module, windows: Windows) -> float:
     """Perplexity of the next tokens inside each window (no context across windows)."""
     nll, n = 0.0, 0
     for w in windows:
-        x = torch.tensor([w])
+        x = torch.as_tensor(w)[None]
         nll += float(next_token_ce(train_forward(model, x), x)) * (len(w) - 1)
         n += len(w) - 1
     return math.exp(nll / n)
@@ -127,6 +137,39 @@ class StorageRound(nn.Module):
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return _ste(w, w.to(self.dtype).to(w.dtype))
+
+
+def _dequantize(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    n, k = q.shape
+    qg = q.view(n, s.shape[1], -1).float()
+    if z is not None:
+        qg = qg - z[..., None]
+    return (qg * s[..., None]).view(n, k)
+
+
+class _QuantMatmul(torch.autograd.Function):
+    """y = x @ ((q - z) * s).T + b, keeping only x for the backward pass: the float weight is
+    rebuilt there from the int8 codes, so training holds no float copy of any weight."""
+
+    @staticmethod
+    def forward(ctx, x, q, s, z, bias):
+        ctx.save_for_backward(x, q, s, z)
+        return F.linear(x, _dequantize(q, s, z), bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, q, s, z = ctx.saved_tensors
+        w = _dequantize(q, s, z)
+        gx = g @ w
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        gw = (g2.t() @ x2).view(q.shape[0], s.shape[1], -1)  # [out, groups, group_len]
+        qz = q.view_as(gw).float()
+        if z is not None:
+            qz = qz - z[..., None]
+        gs = (gw * qz).sum(-1)
+        gz = None if z is None else -(gw.sum(-1) * s)
+        gb = g2.sum(0) if ctx.needs_input_grad[4] else None
+        return gx, None, gs, gz, gb
 
 
 class LearnedQuantLinear(nn.Module):
@@ -158,16 +201,10 @@ class LearnedQuantLinear(nn.Module):
         return _ste(z, z.round())
 
     def weight(self) -> torch.Tensor:  # float32 [out, in]
-        n, k = self.q.shape
-        s = self.scale()
-        qg = self.q.view(n, s.shape[1], -1).float()
-        z = self.zero_point()
-        if z is not None:
-            qg = qg - z[..., None]
-        return (qg * s[..., None]).view(n, k)
+        return _dequantize(self.q, self.scale(), self.zero_point())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight().to(x.dtype), self.bias)
+        return _QuantMatmul.apply(x, self.q, self.scale(), self.zero_point(), self.bias)
 
     @torch.no_grad()
     def export(self) -> dict[str, torch.Tensor]:
@@ -293,7 +330,7 @@ def lr_factor(step: int, opts: KDOptions) -> float:
 def train(
     student: Student,
     teacher: nn.Module | None,
-    windows: list[list[int]],
+    windows: Windows,
     opts: KDOptions,
     state: TrainState | None = None,
     on_step: Callable[[int, float], None] = lambda step, loss: None,
@@ -332,7 +369,7 @@ def train(
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i in order[step]:
-            x = torch.tensor([windows[i]])
+            x = torch.as_tensor(windows[i])[None]
             logits = train_forward(student.model, x)
             if opts.loss == "kl":
                 with torch.no_grad():

@@ -47,14 +47,16 @@ from edgellm.distill.kd import (
     held_out_kl,
     prepare_student,
     train,
+    windows_ppl,
 )
 from edgellm.distill.prune import PruneOptions, prune
 from edgellm.distill.prune import check_options as check_prune
 from edgellm.errors import InvalidParameterError
 from edgellm.fsutil import atomic_path, check_output, terminate_raises
 from edgellm.loaders.model import LoadedModel, load_model
+from edgellm.loaders.texts import BUILTIN, load_text
 from edgellm.quantize.build import build_model
-from edgellm.quantize.calibration import token_stream
+from edgellm.quantize.calibration import CALIBRATION_SPLITS, token_stream
 from edgellm.quantize.format import QuantConfig
 from edgellm.quantize.pipeline import (
     METHODS,
@@ -107,8 +109,8 @@ class DistillOptions:
             return "student"
         return "int" if self.bits else "pruned" if self.prunes else "none"
 
-    def kd(self) -> KDOptions:
-        lr = self.lr if self.lr is not None else (1e-3 if self.bits else 1e-4)
+    def kd(self, int_student: bool) -> KDOptions:
+        lr = self.lr if self.lr is not None else (1e-3 if int_student else 1e-4)
         return KDOptions(
             steps=self.steps, batch=self.batch, lr=lr, warmup=min(self.warmup, self.steps),
             loss=self.loss, freeze_embeddings=self.freeze_embeddings, seed=self.seed,
@@ -160,17 +162,18 @@ def check_options(opts: DistillOptions) -> None:
 
 def split_windows(
     stream: list[int], seq_len: int, held_out: int, seed: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Disjoint `seq_len` windows of the stream, shuffled: (train, held out)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Disjoint `seq_len` windows of the stream, shuffled: (train [n, L], held out [h, L])."""
     n = len(stream) // seq_len
     if n < held_out + 1:
         raise InvalidParameterError(
             f"the calibration text has {len(stream)} tokens: fewer than {held_out + 1} windows "
             f"of {seq_len} (held out + training)"
         )
-    windows = [stream[i * seq_len : (i + 1) * seq_len] for i in range(n)]
-    random.Random(seed).shuffle(windows)
-    return windows[held_out:], windows[:held_out]
+    windows = torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return windows[order[held_out:]], windows[order[:held_out]]
 
 
 def stored_dtypes(loaded: LoadedModel) -> dict[str, torch.dtype]:
@@ -179,6 +182,19 @@ def stored_dtypes(loaded: LoadedModel) -> dict[str, torch.dtype]:
         d = loaded.weights.info(name).dtype
         out[name] = _DTYPES.get(d, getattr(torch, d, torch.float32))
     return out
+
+
+def _eval_windows(loaded: LoadedModel, text: str | None, n: int, seq_len: int) -> list[list[int]]:
+    if text is None:
+        return []
+    if text not in BUILTIN:
+        raise InvalidParameterError(f"unknown eval text {text!r} (choose from {', '.join(BUILTIN)})")
+    full, chars, ids = load_text(text), n * 4, []
+    while len(ids) < n and chars < 2 * len(full):  # tokenize no more of the text than needed
+        ids = loaded.tokenizer.encode(full[:chars], add_special_tokens=False)
+        chars *= 2
+    ids = ids[:n]
+    return [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
 
 
 def work_dir(out_dir: str | Path) -> Path:
@@ -229,10 +245,19 @@ def distill(
     resume: bool = False,
     progress: bool = True,
     stop_after: int | None = None,  # tests: raise KeyboardInterrupt after this many steps
+    eval_text: str | None = None,
+    eval_tokens: int = 4096,
 ) -> DistillReport:
-    """Distil the float `teacher` into a student written to `out_dir` (see the module doc)."""
+    """Distil the float `teacher` into a student written to `out_dir` (see the module doc).
+
+    With `eval_text` (a built-in text: sotu, shakespeare), every evaluation also records
+    the student's perplexity on its first `eval_tokens` tokens, in `seq_len` windows."""
     opts = options or DistillOptions()
     check_options(opts)
+    if eval_text is not None and CALIBRATION_SPLITS.get(opts.calib, opts.calib) == eval_text:
+        raise InvalidParameterError(
+            f"--eval-text {eval_text} is the training text {opts.calib}: choose another"
+        )
     t0 = time.perf_counter()
     check_output(out_dir, force, source=resolve_model(teacher), is_dir=True)
     work = work_dir(out_dir)
@@ -270,17 +295,27 @@ def distill(
             f"the student's vocabulary ({loaded.args.vocab_size}) is not the teacher's "
             f"({loaded_teacher.args.vocab_size})"
         )
-    kd = opts.kd()
     stream = token_stream(loaded_teacher.tokenizer, opts.calib, opts.chat_template)
     train_w, held = split_windows(stream, opts.seq_len, opts.held_out, opts.seed)
+    del stream
+    ppl_windows = _eval_windows(loaded_teacher, eval_text, eval_tokens, opts.seq_len)
     teacher_model = build_model(loaded_teacher)  # KL targets and the held-out KL
-    student = prepare_student(build_model(loaded), stored_dtypes(loaded), kd.freeze_embeddings)
+    record = _record(opts, loaded_teacher)
+    del loaded_teacher  # its file mapping: only the built model is needed from here
+    student = prepare_student(
+        build_model(loaded), stored_dtypes(loaded), opts.freeze_embeddings
+    )
+    del loaded
+    kd = opts.kd(int_student=bool(student.quantized))
     report = DistillReport(str(out_dir), dataclasses.asdict(opts))
     report.resumed_from = state.step if state else 0
 
     def evaluate(step: int) -> None:
-        kl = held_out_kl(student.model, teacher_model, held)
-        report.evals.append({"step": step, "tokens": step * kd.batch * opts.seq_len, "kl": kl})
+        row = {"step": step, "tokens": step * kd.batch * opts.seq_len}
+        row["kl"] = held_out_kl(student.model, teacher_model, held)
+        if ppl_windows:
+            row[f"ppl_{eval_text}"] = windows_ppl(student.model, ppl_windows)
+        report.evals.append(row)
 
     if state is None:
         evaluate(0)
@@ -318,7 +353,7 @@ def distill(
     state = live[0]
     report.kl_before, report.kl_after = state.evals[0]["kl"], state.evals[-1]["kl"]
     report.losses, report.tokens = state.losses, kd.steps * kd.batch * opts.seq_len
-    write_student(student_dir, out_dir, student, _record(opts, loaded_teacher), report, force)
+    write_student(student_dir, out_dir, student, record, report, force)
     shutil.rmtree(work, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()
@@ -415,6 +450,9 @@ def print_report(r: DistillReport) -> None:
     t.add_row("training", f"{o['loss']}: {o['steps']} steps x {o['batch']} x {o['seq_len']} tokens"
               + (f" (resumed at step {r.resumed_from})" if r.resumed_from else ""))  # fmt: skip
     t.add_row("held-out KL", f"{r.kl_before:.4f} -> {r.kl_after:.4f}")
+    for key in (k for k in r.evals[-1] if k.startswith("ppl_")):
+        first = next(e[key] for e in r.evals if key in e)
+        t.add_row(f"perplexity {key[4:]}", f"{first:.3f} -> {r.evals[-1][key]:.3f}")
     t.add_row("time", f"{r.seconds:.1f} s")
     t.add_row("peak memory", f"{r.peak_rss_mb:.0f} MiB resident")
     Console().print(t)

@@ -471,6 +471,9 @@ def distill(
     ] = False,
     calib: Annotated[str, typer.Option(help="sotu | shakespeare | a .txt or .jsonl file")] = "sotu",
     chat_template: Annotated[bool, typer.Option(help="JSONL messages through the chat template")] = False,
+    eval_text: Annotated[
+        str | None, typer.Option(help="also track perplexity on a built-in text (sotu, shakespeare)")
+    ] = None,
     seed: int = 0,
     resume: Annotated[bool, typer.Option(help="continue an interrupted run (same options)")] = False,
     force: ForceOpt = False,
@@ -486,7 +489,7 @@ def distill(
         chat_template=chat_template, seed=seed,
     )  # fmt: skip
     try:
-        report = run_distill(model, out, opts, force=force, resume=resume)
+        report = run_distill(model, out, opts, force=force, resume=resume, eval_text=eval_text)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     print_distill_report(report)
