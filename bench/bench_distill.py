@@ -13,6 +13,7 @@ student's perplexity on the first `--curve-tokens` of sotu (2000 on) in `--seq-l
 
     python bench/bench_distill.py                                # every part
     python bench/bench_distill.py --parts int4-sym,prune-both    # a subset
+    python bench/bench_distill.py --parts int4-sym --merge       # redo one, keep the others
     # writes bench/results/distill.{json,md,png}
 
 Parts: int4-sym, int4-asym (W4 g128), prune-depth (8 of 30 layers), prune-width (MLP
@@ -75,33 +76,44 @@ def quantize_child(method: str, sym: bool, out: Path) -> dict:
     return json.loads((out / "bench.json").read_text())
 
 
-def llama_decode_rate(gguf: Path, tokens: int = 128) -> float:
-    """Single-stream greedy decode tokens/s of llama.cpp itself (llama-cpp-python), 2 threads."""
+def llama_decode_rates(ggufs: dict[str, Path], tokens: int = 256, rounds: int = 3) -> dict:
+    """Single-stream greedy decode tokens/s of llama.cpp itself (llama-cpp-python, 2 threads)
+    for each file: rounds interleaved across the files (so drifts of a shared machine hit all
+    of them alike), the median kept."""
     from llama_cpp import Llama
 
-    llm = Llama(str(gguf), n_ctx=512, n_threads=2, verbose=False)
-    llm.create_completion("The", max_tokens=8, temperature=0.0)  # warm up
-    t0 = time.perf_counter()
-    out = llm.create_completion(
-        "The President said", max_tokens=tokens, temperature=0.0, logit_bias={2: -100.0}
-    )
-    n = out["usage"]["completion_tokens"]
-    return n / (time.perf_counter() - t0)
+    llms = {k: Llama(str(g), n_ctx=512, n_threads=2, verbose=False) for k, g in ggufs.items()}
+    rates: dict[str, list[float]] = {k: [] for k in ggufs}
+    for llm in llms.values():
+        llm.create_completion("The", max_tokens=8, temperature=0.0)  # warm up
+    for _ in range(rounds):
+        for k, llm in llms.items():
+            llm.reset()
+            t0 = time.perf_counter()
+            out = llm.create_completion(
+                "The President said", max_tokens=tokens, temperature=0.0, logit_bias={2: -100.0}
+            )
+            rates[k].append(out["usage"]["completion_tokens"] / (time.perf_counter() - t0))
+    return {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--steps", type=int, default=200, help="INT4 distillation steps")
+    ap.add_argument("--steps", type=int, default=120, help="INT4 distillation steps")
     ap.add_argument("--steps-asym", type=int, help="INT4 asym distillation steps (default --steps)")
-    ap.add_argument("--prune-steps", type=int, default=150, help="pruned-student training steps")
+    ap.add_argument("--prune-steps", type=int, default=120, help="pruned-student training steps")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--curve-tokens", type=int, default=2048)
     ap.add_argument("--work-dir", default="/tmp/edgellm-bench-distill")
     ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument(
+        "--merge", action="store_true",
+        help="keep the rows of parts not run from the earlier results in --out-dir",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -130,6 +142,13 @@ def main() -> None:
     log("float teacher")
     res["rows"].append({"group": "float", "name": "float (dequantized Q4_1)", "bits": 16.0, **evaluate(resolve_model(None))})
     float_row = res["rows"][0]
+    earlier = Path(args.out_dir, "distill.json")
+    if args.merge and earlier.exists():
+        old = json.loads(earlier.read_text())
+        redo = {*parts, "float"} | ({"int4"} if any(p.startswith("int4") for p in parts) else set())
+        res["kept"] = {"date": old["date"], "args": old["args"]}
+        res["rows"] += [r for r in old["rows"] if r["group"] not in redo]
+        res["curves"] += [c for c in old["curves"] if c["part"] not in redo]
     if any(p.startswith("int4") for p in parts):
         f16 = work / "f16.gguf"
         bench_quant.float_gguf(resolve_model(None), f16)
@@ -162,12 +181,11 @@ def main() -> None:
             log(f"{part}: prune {PRUNES[part]}")
             meta = run_child({"kind": "prune", "out": str(pruned), "options": PRUNES[part]}, args)
             params = _params(pruned)
-            rates = {}
+            ggufs = {}
             for tag, model in (("teacher", resolve_model(None)), ("pruned", pruned)):
-                g = work / f"{part}-{tag}-q8.gguf"
-                if not g.exists() or tag == "pruned":
-                    export_gguf(str(model), g, "q8_0", force=True)
-                rates[tag] = llama_decode_rate(g)
+                ggufs[tag] = work / f"{part}-{tag}-q8.gguf"
+                export_gguf(str(model), ggufs[tag], "q8_0", force=True)
+            rates = llama_decode_rates(ggufs)
             res["rows"].append({"group": part, "name": f"{part} (no training)", "method": "pruned", "params_m": params / 1e6, "seconds": meta["seconds"], "decode_tok_s": rates["pruned"], "teacher_decode_tok_s": rates["teacher"], **evaluate(pruned)})  # fmt: skip
             for loss in ("kl", "ce"):
                 out = work / f"{part}-{loss}"
@@ -236,6 +254,9 @@ def markdown(res: dict, float_row: dict) -> str:
 def _write(res: dict, float_row: dict, args, console) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    order = ["float", "int4", *PARTS]
+    res["rows"].sort(key=lambda r: order.index(r["group"]))  # stable: order within a part kept
+    res["curves"].sort(key=lambda c: order.index(c["part"]))
     md = markdown(res, float_row)
     console.print(md)
     (out / "distill.md").write_text(md + "\n")

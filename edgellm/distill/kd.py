@@ -40,8 +40,8 @@ Windows = torch.Tensor | list[list[int]]  # token windows [n, L]
 
 @dataclass(frozen=True, slots=True)
 class KDOptions:
-    steps: int = 200
-    batch: int = 4  # windows per step (gradients accumulated one window at a time)
+    steps: int = 120
+    batch: int = 2  # windows per step (gradients accumulated one window at a time)
     lr: float = 1e-4
     # INT students: zero points learn at lr x this. They move to another integer only when
     # the gradient pushes them 0.5 steadily; 10x on a tiny model made flips that hurt the KL

@@ -86,8 +86,8 @@ class DistillOptions:
     dtype: str = "bfloat16"  # a pruned student's stored weights
     # training
     loss: str = "kl"  # kl | ce (plain fine-tuning, for comparison)
-    steps: int = 200
-    batch: int = 4
+    steps: int = 120
+    batch: int = 2
     seq_len: int = 256
     lr: float | None = None  # default: 1e-3 INT (relative to each scale), 1e-4 float
     warmup: int = 10

@@ -460,8 +460,8 @@ def distill(
         str | None, typer.Option(help="an existing student (pruned model or INT checkpoint)")
     ] = None,
     loss: Annotated[str, typer.Option(help="kl (to the teacher) | ce (plain fine-tuning)")] = "kl",
-    steps: Annotated[int, typer.Option(help="optimizer steps")] = 200,
-    batch: Annotated[int, typer.Option(help="windows per step")] = 4,
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 120,
+    batch: Annotated[int, typer.Option(help="windows per step")] = 2,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 256,
     lr: Annotated[
         float | None, typer.Option(help="peak learning rate (default 1e-3 INT, 1e-4 float)")
