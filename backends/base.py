@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from edgellm.config import EngineConfig, kv_pool_blocks
+from edgellm.errors import InvalidParameterError
+from edgellm.kernels.paged_attention import KV_SCALE_SLOTS
 
 if TYPE_CHECKING:  # the engine sits above the backends: its types are only named here
     from edgellm.engine.scheduler import ScheduledSeq
@@ -132,13 +134,39 @@ def copy_pool_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies)
         v[dst] = v[src]
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+# bytes of one (token, KV head) row of head_dim values in llama.cpp's block types
+GGML_ROW_BYTES = {"q8_0": lambda d: d // 32 * 34, "q4_0": lambda d: d // 32 * 18}
 
 
-def pool_geometry(args, config: EngineConfig, dtype: torch.dtype) -> tuple[int, int, int]:
+def kv_row_bytes(head_dim: int, dtype: torch.dtype | str) -> int:
+    """Bytes one (token, KV head) row of K (or V) takes: a float dtype's elements, int8
+    codes plus their fp32 scale, or a llama.cpp block type ("q8_0", "q4_0")."""
+    if isinstance(dtype, str):
+        return GGML_ROW_BYTES[dtype](head_dim)
+    if dtype == torch.int8:
+        return head_dim + KV_SCALE_SLOTS
+    return head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(
+    n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype | str
+) -> int:
+    return 2 * n_layers * n_kv_heads * kv_row_bytes(head_dim, dtype)
+
+
+def refuse_quantized_kv(config: EngineConfig, backend: str) -> None:
+    """For a backend that stores K/V only in its float dtype: a clear error for int8."""
+    if config.kv_cache_dtype != "auto":
+        raise InvalidParameterError(
+            f"kv_cache_dtype {config.kv_cache_dtype} is not available on the {backend} "
+            "backend (the torch and llamacpp backends have it)"
+        )
+
+
+def pool_geometry(args, config: EngineConfig, dtype: torch.dtype | str) -> tuple[int, int, int]:
     """(bytes of K/V per token, blocks `kv_cache_mb` holds, the longest sequence): the
-    model's context or the config's limit, and never more tokens than the whole pool."""
+    model's context or the config's limit, and never more tokens than the whole pool.
+    `dtype` is how K/V are stored (see `kv_row_bytes`)."""
     per_token = kv_bytes_per_token(
         args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype
     )

@@ -33,6 +33,7 @@ from edgellm.backends.base import (
     copy_pool_blocks,
     flatten_batch,
     pool_geometry,
+    refuse_quantized_kv,
 )
 from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
@@ -143,6 +144,7 @@ class CUDABackend(HostSwap, PoolStorage):
     ):
         if TRITON_ERROR is not None:
             raise InvalidParameterError(f"the cuda backend needs Triton: {TRITON_ERROR}")
+        refuse_quantized_kv(config, "cuda")
         args = model.args
         self.device = torch.device(device)
         self.dtype = dtype or next(model.parameters()).dtype

@@ -297,7 +297,21 @@ class LlamaCppBackend:
         self.verbose = config.verbose
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
-        _, self.num_blocks, self.max_model_len = pool_geometry(args, config, torch.float16)
+        # K/V cells: f16, or q8_0 blocks (llama.cpp quantizes V only inside flash attention)
+        self.kv_type = {"auto": None, "int8": "q8_0"}[config.kv_cache_dtype]
+        if self.kv_type and not config.flash_attn:
+            raise InvalidParameterError(
+                f"kv_cache_dtype {config.kv_cache_dtype} on llama.cpp needs flash attention "
+                "(its quantized V cache only works inside the flash-attention kernel)"
+            )
+        if self.kv_type and args.head_dim % 32:
+            raise InvalidParameterError(
+                f"llama.cpp's {self.kv_type} K/V needs a head_dim divisible by 32, "
+                f"not {args.head_dim}"
+            )
+        _, self.num_blocks, self.max_model_len = pool_geometry(
+            args, config, self.kv_type or torch.float16
+        )
         n_live = min(config.max_num_seqs, MAX_SEQ // 2)
         self.threads = config.threads or os.cpu_count() or 1
         self.max_num_batched_tokens = self.n_batch = config.max_num_batched_tokens
@@ -346,6 +360,8 @@ class LlamaCppBackend:
             if self.flash_attn
             else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
+        if self.kv_type:
+            cparams.type_k = cparams.type_v = {"q8_0": ll.GGML_TYPE_Q8_0}[self.kv_type]
         self.ctx = ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise LlamaCppError("llama.cpp could not create a context (out of memory?)")

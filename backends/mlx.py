@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from edgellm.backends.base import PoolStorage, flatten_batch, pool_geometry
+from edgellm.backends.base import PoolStorage, flatten_batch, pool_geometry, refuse_quantized_kv
 from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
 from edgellm.kernels.paged_attention_mlx import MLXKVPool, StepAttention
@@ -120,6 +120,7 @@ class MLXBackend(PoolStorage):
     def __init__(self, args: ModelArgs, weights: MLXWeights, config: EngineConfig):
         if mx is None:
             raise InvalidParameterError("the mlx backend needs MLX (pip install 'edgellm[mlx]')")
+        refuse_quantized_kv(config, "mlx")
         dtype = getattr(mx, resolve_dtype(config.dtype))
         self.args = args
         self.block_size = config.block_size

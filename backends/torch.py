@@ -12,6 +12,7 @@ from edgellm.backends.base import (
     PoolStorage,
     copy_pool_blocks,
     flatten_batch,
+    kv_row_bytes,
     pool_geometry,
 )
 from edgellm.config import EngineConfig
@@ -58,11 +59,16 @@ class TorchBackend(HostSwap, PoolStorage):
         self.vocab_size = args.vocab_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         dtype = next(model.parameters()).dtype  # the embeddings': the model's float dtype
-        per_token, self.num_blocks, self.max_model_len = pool_geometry(args, config, dtype)
-        shape = (self.num_blocks, config.block_size, args.num_key_value_heads, args.head_dim)
-        # [num_blocks, block_size, n_kv_heads, head_dim] per layer, for K and V
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
+        per_token, self.num_blocks, self.max_model_len = pool_geometry(args, config, kv_dtype)
+        row = (
+            kv_row_bytes(args.head_dim, kv_dtype) // torch.empty((), dtype=kv_dtype).element_size()
+        )
+        shape = (self.num_blocks, config.block_size, args.num_key_value_heads, row)
+        # [num_blocks, block_size, n_kv_heads, head_dim (+ 4 scale slots if int8)] per
+        # layer, for K and V
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
             for _ in range(args.num_hidden_layers)
         ]
         # the serving form unless EDGELLM_REFERENCE=1 (the reference model runs as is)

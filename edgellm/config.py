@@ -22,6 +22,9 @@ LLAMACPP_TYPES = ("auto", "file", "f16", "q8_0", "q4_0", "q4_1")
 # what the MLX backend does to a float model's Linears at load: nothing, or `mx.quantize`
 # (affine, group 64, or the largest of 32/64/128 dividing a layer's inputs)
 MLX_QUANTIZE = ("off", "q4", "q8")
+# how K/V are stored: the backend's float dtype ("auto"), or 8-bit ("int8": per token and
+# KV head, symmetric, an fp32 scale per row; llama.cpp's q8_0 blocks of 32 on that backend)
+KV_CACHE_DTYPES = ("auto", "int8")
 # what a preempted sequence's K/V become: recomputed later, parked in host memory (needs a
 # backend with swap space), or "auto": the cheaper of the two, measured
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -70,6 +73,11 @@ class EngineConfig:
         max_model_len: context limit (None: the model's, bounded by the pool).
         enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
         dtype: float dtype of weights and KV cache where the backend has a choice.
+        kv_cache_dtype: "auto" (K/V in the backend's float dtype) or "int8": 8-bit K/V, so
+            the same `kv_cache_mb` holds about twice the tokens of a 16-bit cache (four
+            times fp32's). Torch: symmetric per (token, KV head) with an fp32 scale,
+            dequantized inside paged attention; llama.cpp: its q8_0 K and V types (needs
+            `flash_attn`).
         threads: CPU threads (None: all cores).
         verbose: let backends' own libraries log (llama.cpp prints to stderr).
         llamacpp_type: the weights llama.cpp runs (see LLAMACPP_TYPES).
@@ -102,6 +110,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     threads: int | None = None
     verbose: bool = False
     llamacpp_type: str = "auto"
@@ -126,6 +135,11 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise InvalidParameterError(
                 f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParameterError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r} "
+                f"(choose from {', '.join(KV_CACHE_DTYPES)})"
             )
         if self.llamacpp_type not in LLAMACPP_TYPES:
             raise InvalidParameterError(

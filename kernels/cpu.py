@@ -30,6 +30,12 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 CACHE = Path(os.environ.get("EDGELLM_CACHE", Path.home() / ".cache" / "edgellm")) / "kernels"
 
 _state: dict[str, str] = {}
+# the paged-attention kernel for each cache dtype (int8: rows of codes + their fp32 scale)
+_KERNELS = {
+    torch.float32: "paged_attention_f32",
+    torch.bfloat16: "paged_attention_bf16",
+    torch.int8: "paged_attention_q8",
+}
 
 
 def reference_only() -> bool:
@@ -85,7 +91,7 @@ def library() -> ctypes.CDLL | None:
         _state["status"] = f"unavailable ({e}); torch reference path"
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in ("paged_attention_f32", "paged_attention_bf16"):
+    for name in _KERNELS.values():
         fn = getattr(lib, name)
         fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
         fn.restype = ctypes.c_int
@@ -115,9 +121,6 @@ def bind_threads(cpus: list[int]) -> int:
         return 0
     arr = (ctypes.c_int32 * len(cpus))(*cpus)
     return lib.bind_threads(arr, len(cpus))
-
-
-_KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 
 
 def supports(k_cache: torch.Tensor) -> bool:

@@ -12,7 +12,9 @@
  * bits alone or in any batch.
  *
  * Caches: [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (bf16 is widened
- * to fp32 on load). q and out: [T, n_heads, head_dim] fp32.
+ * to fp32 on load), or int8 rows of head_dim codes followed by their fp32 scale
+ * ([..., head_dim + 4] int8; decoded codes * scale on load). q and out: [T, n_heads,
+ * head_dim] fp32.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -29,12 +31,12 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-#define DEFINE_ATTENTION(NAME, CT, LOAD)                                                   \
+#define DEFINE_ATTENTION(NAME, CT, LOAD_ROW, EXTRA)                                        \
     int NAME(const float *q, const CT *k_cache, const CT *v_cache,                         \
              const int64_t *block_tables, const int64_t *row_seq, const int64_t *row_len,  \
              float *out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t BS,         \
              int64_t W, float scale) {                                                     \
-        const int64_t G = H / KVH;                                                         \
+        const int64_t G = H / KVH, RS = D + (EXTRA); /* cache row: D values (+ scale) */  \
         int64_t max_len = 0;                                                               \
         for (int64_t t = 0; t < T; t++)                                                    \
             if (row_len[t] > max_len) max_len = row_len[t];                                \
@@ -54,9 +56,8 @@ static inline float bf16_to_f32(uint16_t x) {
                     const float *qh = q + (t * H + h * G) * D;                             \
                     const CT *kb = k_cache, *vb = v_cache;                                 \
                     for (int64_t j = 0; j < n; j++) {                                      \
-                        if (j % BS == 0) kb = k_cache + (table[j / BS] * BS * KVH + h) * D;  \
-                        const CT *kj = kb + (j % BS) * KVH * D;                            \
-                        for (int64_t d = 0; d < D; d++) kv[d] = LOAD(kj[d]);               \
+                        if (j % BS == 0) kb = k_cache + (table[j / BS] * BS * KVH + h) * RS; \
+                        LOAD_ROW(kv, kb + (j % BS) * KVH * RS, D);                         \
                         for (int64_t g = 0; g < G; g++) {                                  \
                             const float *qg = qh + g * D;                                  \
                             float s = 0.f;                                                 \
@@ -76,9 +77,8 @@ static inline float bf16_to_f32(uint16_t x) {
                         memset(acc + g * D, 0, sizeof(float) * (size_t)D);                 \
                     }                                                                      \
                     for (int64_t j = 0; j < n; j++) {                                      \
-                        if (j % BS == 0) vb = v_cache + (table[j / BS] * BS * KVH + h) * D;  \
-                        const CT *vj = vb + (j % BS) * KVH * D;                            \
-                        for (int64_t d = 0; d < D; d++) kv[d] = LOAD(vj[d]);               \
+                        if (j % BS == 0) vb = v_cache + (table[j / BS] * BS * KVH + h) * RS; \
+                        LOAD_ROW(kv, vb + (j % BS) * KVH * RS, D);                         \
                         for (int64_t g = 0; g < G; g++) {                                  \
                             const float p = scores[g * max_len + j];                       \
                             float *ag = acc + g * D;                                       \
@@ -98,10 +98,21 @@ static inline float bf16_to_f32(uint16_t x) {
         return failed;                                                                     \
     }
 
-#define LOAD_F32(x) (x)
-#define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_ATTENTION(paged_attention_f32, float, LOAD_F32)
-DEFINE_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16)
+static inline void load_f32(float *dst, const float *row, int64_t D) {
+    memcpy(dst, row, sizeof(float) * (size_t)D);
+}
+static inline void load_bf16(float *dst, const uint16_t *row, int64_t D) {
+    for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(row[d]);
+}
+static inline void load_q8(float *dst, const int8_t *row, int64_t D) {
+    float s;
+    memcpy(&s, row + D, sizeof s); /* the row's scale, after its codes */
+    _Pragma("omp simd")
+    for (int64_t d = 0; d < D; d++) dst[d] = (float)row[d] * s;
+}
+DEFINE_ATTENTION(paged_attention_f32, float, load_f32, 0)
+DEFINE_ATTENTION(paged_attention_bf16, uint16_t, load_bf16, 0)
+DEFINE_ATTENTION(paged_attention_q8, int8_t, load_q8, 4)
 
 /* Pin thread i of the OpenMP pool (torch's) to cpus[i % n], as vLLM does: the scheduler
  * then never migrates a GEMM's threads between cores mid-step. Returns threads pinned. */

@@ -4,6 +4,11 @@ The KV cache of one layer is two tensors `[num_blocks, block_size, n_kv_heads,
 head_dim]`; a sequence's tokens live in the blocks its `block_table` lists, token
 `i` at block `block_table[i // block_size]`, offset `i % block_size`. Queries of
 all sequences in a step are flattened into one `[T, n_heads, head_dim]` tensor.
+
+An int8 cache stores each (token, KV head) row as `head_dim` symmetric codes followed by
+its fp32 scale in 4 more int8 slots (`[..., head_dim + 4]`, like a GGML q8_0 block of one
+row): a block is still one slice of one tensor, so copy-on-write, swapping and the
+prefix cache move codes and scales together, and readers dequantize rows as they load them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,27 @@ class AttentionMetadata:
         return len(self.query_start_loc) - 1 == self.query_start_loc[-1]
 
 
+KV_SCALE_SLOTS = 4  # int8 slots holding a row's fp32 scale after its codes
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] float -> [..., D + 4] int8: round(x / s) with s = max|x| / 127 per row, the
+    scale's fp32 bytes appended (an all-zero row gets s = 0 and codes 0)."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.round(x / torch.where(scale > 0, scale, 1.0)).clamp_(-127, 127)
+    return torch.cat([codes.to(torch.int8), scale.view(torch.int8)], -1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows in `dtype`: int8 rows [..., D + 4] decoded as codes * scale (in fp32, then
+    cast), float rows just cast."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    scale = rows[..., -KV_SCALE_SLOTS:].contiguous().view(torch.float32)
+    return (rows[..., :-KV_SCALE_SLOTS].float() * scale).to(dtype)
+
+
 def write_kv(
     k_cache: torch.Tensor,  # [N, bs, KVH, D]
     v_cache: torch.Tensor,  # [N, bs, KVH, D]
@@ -36,8 +62,10 @@ def write_kv(
     v: torch.Tensor,  # [T, KVH, D]
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:
-    """Scatter this step's keys and values into their slots."""
+    """Scatter this step's keys and values into their slots (quantized for an int8 cache)."""
     n_kv, d = k_cache.shape[-2:]
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
     k_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -74,8 +102,8 @@ def paged_attention(
         if len(decodes) > 1 and qsl[b + 1] - qsl[b] == 1:
             continue
         s, e = qsl[b], qsl[b + 1]
-        k = _gather(k_cache, meta.block_tables[b], ctx).to(q.dtype)  # [ctx, KVH, D]
-        v = _gather(v_cache, meta.block_tables[b], ctx).to(q.dtype)
+        k = dequantize_kv(_gather(k_cache, meta.block_tables[b], ctx), q.dtype)  # [ctx, KVH, D]
+        v = dequantize_kv(_gather(v_cache, meta.block_tables[b], ctx), q.dtype)
         out[s:e] = _causal_sdpa(q[s:e], k, v, scale)
     return out
 
@@ -107,15 +135,15 @@ def _decode_attention(
     lens = torch.tensor(context_lens, device=q.device)
     n_blocks = -(-int(lens.max()) // bs)
     table = block_tables[:, :n_blocks]  # [B, nb]
-    k = k_cache[table].flatten(1, 2)  # [B, L, KVH, D]
-    v = v_cache[table].flatten(1, 2)
+    k = dequantize_kv(k_cache[table].flatten(1, 2), torch.float32)  # [B, L, KVH, D]
+    v = dequantize_kv(v_cache[table].flatten(1, 2), torch.float32)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
     # one query per sequence: plain matmuls in float32 over grouped heads beat SDPA's
     # masked GQA path on CPU (much so in bf16)
     b, h, d = q.shape
     kvh = k.shape[2]
     qg = q.float().view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
-    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
     scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    o = torch.matmul(scores.softmax(-1), v.float().transpose(1, 2))  # [B, KVH, G, D]
+    o = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [B, KVH, G, D]
     return o.reshape(b, h, d).to(q.dtype)

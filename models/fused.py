@@ -25,6 +25,7 @@ from edgellm.kernels.paged_attention import (
     AttentionMetadata,
     _causal_sdpa,
     _gather,
+    dequantize_kv,
     paged_attention,
     write_kv,
 )
@@ -200,8 +201,8 @@ class FusedLayer(nn.Module):
             )  # fmt: skip
         for s, e, b in plan.sdpa_chunks:
             ctx, table = meta.context_lens[b], meta.block_tables[b]
-            k = _gather(k_cache, table, ctx).to(q.dtype)  # [ctx, KVH, D]
-            v = _gather(v_cache, table, ctx).to(q.dtype)
+            k = dequantize_kv(_gather(k_cache, table, ctx), q.dtype)  # [ctx, KVH, D]
+            v = dequantize_kv(_gather(v_cache, table, ctx), q.dtype)
             out[s:e] = _causal_sdpa(q[s:e], k, v, self.scale)
         return out
 

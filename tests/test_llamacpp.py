@@ -1,6 +1,8 @@
 """The llama.cpp backend under the shared engine, on the real SmolLM2 GGUF.
 
-Oracle: llama-cpp-python's own `Llama` greedy generation on the same file.
+Oracle: llama-cpp-python's own `Llama` greedy generation on the same file, with the same
+K/V types: every test taking `llm` or `reference` runs with f16 K/V and again with q8_0
+(`kv_cache_dtype="int8"`), both under flash attention.
 """
 
 from __future__ import annotations
@@ -24,21 +26,33 @@ SYSTEM = (
 )
 
 
+# K/V storage: ours (EngineConfig.kv_cache_dtype) and Llama's (type_k / type_v; 8 = q8_0)
+KV = {"auto": ({}, {}), "int8": ({"kv_cache_dtype": "int8"}, {"type_k": 8, "type_v": 8})}
+
+
+@pytest.fixture(scope="module", params=list(KV))
+def kv(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(smollm2_path):
+def llm(smollm2_path, kv):
     from edgellm.entrypoints.llm import LLM
 
     return LLM(
-        str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=64, threads=2
-    )
+        str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=64, threads=2,
+        **KV[kv][0],
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path):
+def reference(smollm2_path, kv):
     """Llama's own greedy continuation (64 tokens) of each prompt's token ids."""
     from llama_cpp import Llama
 
-    ref = Llama(str(smollm2_path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
+    ref = Llama(
+        str(smollm2_path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False, **KV[kv][1]
+    )
     out = {}
     for p in PROMPTS:
         ids = ref.tokenize(p.encode(), add_bos=False, special=True)
@@ -145,13 +159,17 @@ def test_forks_share_cells(llm, reference):
     assert_no_cells(llm)
 
 
-def test_preemption_and_aborts_leave_no_cells(smollm2_path, reference):
+def test_preemption_and_aborts_leave_no_cells(smollm2_path, reference, kv):
     from edgellm.entrypoints.llm import LLM
 
     # a pool of 3 blocks of 16 tokens (48 tokens) for 4 sequences: preemption guaranteed
+    # (q8_0 K/V take 68 bytes a row of 64 where f16 takes 128)
+    mb = 1.2 * (68 / 128 if kv == "int8" else 1)
     small = LLM(
-        str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=1.2, threads=2
-    )
+        str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=mb, threads=2,
+        **KV[kv][0],
+    )  # fmt: skip
+    assert small.engine.block_manager.num_blocks == 3
     engine = small.engine
     prompts = [ids for ids, _ in reference.values()]
     outs = small.generate(prompts, greedy())
@@ -203,6 +221,9 @@ def test_a_cache_too_small_for_two_blocks_is_refused(smollm2_path):
 
     with pytest.raises(InvalidParameterError, match="holds only"):
         LLM(str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=0.01)
+    with pytest.raises(InvalidParameterError, match="needs flash attention"):
+        LLM(str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_dtype="int8",
+            flash_attn=False)  # fmt: skip
 
 
 def test_auto_runs_the_default_model_from_its_f16_export(smollm2_path):

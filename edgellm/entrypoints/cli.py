@@ -64,6 +64,13 @@ DtypeOpt = Annotated[
 KVCacheOpt = Annotated[
     float | None, typer.Option("--kv-cache-mb", help="memory for the KV cache (default 512)")
 ]
+KVDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-cache-dtype",
+        help="auto | int8: 8-bit K/V, about twice the tokens per MB (torch, llamacpp)",
+    ),
+]
 MaxSeqsOpt = Annotated[
     int | None, typer.Option("--max-num-seqs", help="sequences running at once (default 64)")
 ]
@@ -110,6 +117,7 @@ ENGINE_OPTIONS = (
     "threads",
     "dtype",
     "kv_cache_mb",
+    "kv_cache_dtype",
     "max_num_seqs",
     "verbose",
     "llamacpp_type",
@@ -140,6 +148,7 @@ def generate(
     threads: ThreadsOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
+    kv_cache_dtype: KVDtypeOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
@@ -210,6 +219,7 @@ def chat(
     threads: ThreadsOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
+    kv_cache_dtype: KVDtypeOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
@@ -235,6 +245,7 @@ def serve(
     threads: ThreadsOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
+    kv_cache_dtype: KVDtypeOpt = None,
     max_num_seqs: MaxSeqsOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
@@ -280,6 +291,7 @@ def bench(
     threads: ThreadsOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
+    kv_cache_dtype: KVDtypeOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
     quantize_lm_head: HeadOpt = None,
