@@ -298,7 +298,7 @@ class LlamaCppBackend:
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
         # K/V cells: f16, or q8_0 blocks (llama.cpp quantizes V only inside flash attention)
-        self.kv_type = {"auto": None, "int8": "q8_0"}[config.kv_cache_dtype]
+        self.kv_type = {"auto": None, "int8": "q8_0", "int4": "q4_0"}[config.kv_cache_dtype]
         if self.kv_type and not config.flash_attn:
             raise InvalidParameterError(
                 f"kv_cache_dtype {config.kv_cache_dtype} on llama.cpp needs flash attention "
@@ -361,7 +361,8 @@ class LlamaCppBackend:
             else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         if self.kv_type:
-            cparams.type_k = cparams.type_v = {"q8_0": ll.GGML_TYPE_Q8_0}[self.kv_type]
+            ggml = {"q8_0": ll.GGML_TYPE_Q8_0, "q4_0": ll.GGML_TYPE_Q4_0}[self.kv_type]
+            cparams.type_k = cparams.type_v = ggml
         self.ctx = ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise LlamaCppError("llama.cpp could not create a context (out of memory?)")

@@ -14,8 +14,10 @@ from edgellm.backends.base import (
     flatten_batch,
     kv_row_bytes,
     pool_geometry,
+    trim_heap,
 )
 from edgellm.config import EngineConfig
+from edgellm.errors import InvalidParameterError
 from edgellm.kernels import cpu
 from edgellm.kernels.paged_attention import AttentionMetadata
 from edgellm.loaders.model import LoadedModel
@@ -50,6 +52,16 @@ def describe() -> str:
     )
 
 
+def kv_storage(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The pool's element dtype: the model's float dtype, or int8 rows (codes + scale)."""
+    if config.kv_cache_dtype == "int4":
+        raise InvalidParameterError(
+            "kv_cache_dtype int4 is on the llamacpp backend only (q4_0 K/V); "
+            "the torch backend takes auto or int8"
+        )
+    return torch.int8 if config.kv_cache_dtype == "int8" else dtype
+
+
 class TorchBackend(HostSwap, PoolStorage):
     name = "torch"
 
@@ -59,11 +71,16 @@ class TorchBackend(HostSwap, PoolStorage):
         self.vocab_size = args.vocab_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         dtype = next(model.parameters()).dtype  # the embeddings': the model's float dtype
-        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
+        kv_dtype = kv_storage(config, dtype)
         per_token, self.num_blocks, self.max_model_len = pool_geometry(args, config, kv_dtype)
         row = (
             kv_row_bytes(args.head_dim, kv_dtype) // torch.empty((), dtype=kv_dtype).element_size()
         )
+        # the serving form unless EDGELLM_REFERENCE=1 (the reference model runs as is)
+        if not (cpu.reference_only() or isinstance(model, FusedModel)):
+            model = FusedModel(model, self.max_model_len)
+        self.model = model
+        self.dtype = dtype
         shape = (self.num_blocks, config.block_size, args.num_key_value_heads, row)
         # [num_blocks, block_size, n_kv_heads, head_dim (+ 4 scale slots if int8)] per
         # layer, for K and V
@@ -71,9 +88,6 @@ class TorchBackend(HostSwap, PoolStorage):
             (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
             for _ in range(args.num_hidden_layers)
         ]
-        # the serving form unless EDGELLM_REFERENCE=1 (the reference model runs as is)
-        self.model = model if cpu.reference_only() else FusedModel(model, self.max_model_len)
-        self.dtype = dtype
         # the pool is host memory already: swapping only when asked (tests, a memory cap)
         self.init_swap(config.swap_space_mb or 0, per_token)
 
@@ -84,6 +98,11 @@ class TorchBackend(HostSwap, PoolStorage):
         if threads <= len(os.sched_getaffinity(0)):  # one thread per core, none migrating
             cpu.bind_threads(sorted(os.sched_getaffinity(0))[:threads])
         model = build_model(loaded, DTYPES[resolve_dtype(config.dtype)])
+        if not cpu.reference_only():  # fused here, so the unfused weights go before the pool
+            dtype = next(model.parameters()).dtype
+            _, _, max_len = pool_geometry(loaded.args, config, kv_storage(config, dtype))
+            model = FusedModel(model, max_len)
+        trim_heap()  # the build's and the fusion's freed temporaries back to the OS
         return cls(model, config)
 
     def close(self) -> None:

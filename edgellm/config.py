@@ -22,9 +22,10 @@ LLAMACPP_TYPES = ("auto", "file", "f16", "q8_0", "q4_0", "q4_1")
 # what the MLX backend does to a float model's Linears at load: nothing, or `mx.quantize`
 # (affine, group 64, or the largest of 32/64/128 dividing a layer's inputs)
 MLX_QUANTIZE = ("off", "q4", "q8")
-# how K/V are stored: the backend's float dtype ("auto"), or 8-bit ("int8": per token and
-# KV head, symmetric, an fp32 scale per row; llama.cpp's q8_0 blocks of 32 on that backend)
-KV_CACHE_DTYPES = ("auto", "int8")
+# how K/V are stored: the backend's float dtype ("auto"), 8-bit ("int8": per token and KV
+# head, symmetric, an fp32 scale per row; llama.cpp's q8_0 blocks of 32 on that backend) or
+# 4-bit ("int4": llama.cpp's q4_0 blocks of 32; that backend only for now)
+KV_CACHE_DTYPES = ("auto", "int8", "int4")
 # what a preempted sequence's K/V become: recomputed later, parked in host memory (needs a
 # backend with swap space), or "auto": the cheaper of the two, measured
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -67,6 +68,9 @@ class EngineConfig:
     Args:
         block_size: tokens per KV block (the unit of allocation and prefix caching).
         kv_cache_mb: memory for the paged KV pool; the backend turns it into blocks.
+        memory_budget: bytes the whole process may hold (None: no plan). `LLM` plans weights,
+            working memory and the KV pool inside it (`backends/memory.py`) and sets
+            `kv_cache_mb` (and `kv_cache_dtype`, when "auto") from the plan.
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: tokens one step computes at most (prefill chunks,
             decodes and drafted tokens together).
@@ -77,7 +81,7 @@ class EngineConfig:
             the same `kv_cache_mb` holds about twice the tokens of a 16-bit cache (four
             times fp32's). Torch: symmetric per (token, KV head) with an fp32 scale,
             dequantized inside paged attention; llama.cpp: its q8_0 K and V types (needs
-            `flash_attn`).
+            `flash_attn`). "int4": llama.cpp's q4_0 K and V (3.6x a 16-bit cache).
         threads: CPU threads (None: all cores).
         verbose: let backends' own libraries log (llama.cpp prints to stderr).
         llamacpp_type: the weights llama.cpp runs (see LLAMACPP_TYPES).
@@ -111,6 +115,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    memory_budget: int | None = None
     threads: int | None = None
     verbose: bool = False
     llamacpp_type: str = "auto"
@@ -136,6 +141,8 @@ class EngineConfig:
             raise InvalidParameterError(
                 f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})"
             )
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise InvalidParameterError(f"memory_budget must be positive, got {self.memory_budget}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidParameterError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r} "

@@ -150,6 +150,9 @@ def test_bad_kv_options_are_clear_errors():
     with pytest.raises(InvalidParameterError, match="not available on the mlx backend"):
         refuse_quantized_kv(EngineConfig(**INT8), "mlx")
     refuse_quantized_kv(EngineConfig(), "mlx")  # the float cache is fine everywhere
+    hf, config = tiny_hf_model()
+    with pytest.raises(InvalidParameterError, match="llamacpp backend only"):
+        TorchBackend(ours_from_hf(hf, config), EngineConfig(kv_cache_dtype="int4"))
 
 
 # ---- the real model -------------------------------------------------------------------------
@@ -210,3 +213,32 @@ def test_smollm2_int8_greedy_equals_float_up_to_near_ties(smol_llms):
         top = sorted(want.logprobs[d][1].values(), reverse=True)
         assert top[0] - top[1] < 0.1, f"parted at token {d} without a near-tie"
     assert same >= 2
+
+
+@pytest.mark.slow
+def test_llamacpp_q4_0_kv_equals_llama_with_the_same_cache(smollm2_path):
+    """int4 on llama.cpp is its q4_0 K/V: greedy tokens equal `Llama`'s own with
+    type_k = type_v = q4_0 (flash attention on), and the pool holds 3.6x f16's tokens."""
+    from llama_cpp import Llama
+
+    from edgellm import LLM
+
+    ours = {
+        kv: LLM(str(smollm2_path), backend="llamacpp", llamacpp_type="file", kv_cache_mb=32,
+                threads=2, kv_cache_dtype=kv)  # fmt: skip
+        for kv in ("auto", "int4")
+    }
+    f16, q4 = (ours[k].engine.block_manager.num_blocks for k in ("auto", "int4"))
+    assert q4 / f16 == pytest.approx(128 / 36, rel=0.02)
+    ref = Llama(str(smollm2_path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False,
+                type_k=2, type_v=2)  # fmt: skip
+    for p in ("The capital of France is", "def fibonacci(n):"):
+        ids = ref.tokenize(p.encode(), add_bos=False, special=True)
+        want = []
+        for t in ref.generate(ids, temp=0.0, top_k=1, reset=True):
+            want.append(t)
+            if len(want) == 32:
+                break
+        params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        assert ours["int4"].generate([ids], params)[0].outputs[0].token_ids == want, p
+    ref.close()

@@ -11,7 +11,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from edgellm.backends.registry import CHOICES
+from edgellm.backends.memory import parse_size, plan_memory
+from edgellm.backends.registry import CHOICES, resolve_backend
+from edgellm.config import EngineConfig
 from edgellm.distill.pipeline import DistillOptions
 from edgellm.distill.pipeline import distill as run_distill
 from edgellm.distill.pipeline import print_report as print_distill_report
@@ -24,7 +26,7 @@ from edgellm.entrypoints.llm import LLM, measure_ppl
 from edgellm.entrypoints.serve import ServerConfig, run_server
 from edgellm.errors import EdgeLLMError, InvalidParameterError
 from edgellm.eval import loadgen
-from edgellm.eval.info import backends_table, model_info, render_info
+from edgellm.eval.info import backends_table, memory_plan_table, model_info, render_info
 from edgellm.eval.perplexity import perplexity
 from edgellm.loaders.model import load_model
 from edgellm.loaders.texts import load_text
@@ -68,7 +70,14 @@ KVDtypeOpt = Annotated[
     str | None,
     typer.Option(
         "--kv-cache-dtype",
-        help="auto | int8: 8-bit K/V, about twice the tokens per MB (torch, llamacpp)",
+        help="auto | int8 (8-bit K/V: ~2x the tokens per MB; torch, llamacpp) | int4 (llamacpp)",
+    ),
+]
+BudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--memory-budget",
+        help="e.g. 4GB: plan weights + KV + working memory to stay inside it (sets the KV size)",
     ),
 ]
 MaxSeqsOpt = Annotated[
@@ -118,6 +127,7 @@ ENGINE_OPTIONS = (
     "dtype",
     "kv_cache_mb",
     "kv_cache_dtype",
+    "memory_budget",
     "max_num_seqs",
     "verbose",
     "llamacpp_type",
@@ -149,6 +159,7 @@ def generate(
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
+    memory_budget: BudgetOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
@@ -220,6 +231,7 @@ def chat(
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
+    memory_budget: BudgetOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
@@ -246,6 +258,7 @@ def serve(
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
+    memory_budget: BudgetOpt = None,
     max_num_seqs: MaxSeqsOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
@@ -341,12 +354,26 @@ def bench(
 
 
 @app.command()
-def info(model: ModelArg = None):
+def info(
+    model: ModelArg = None,
+    memory_budget: BudgetOpt = None,
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = None,
+    kv_cache_dtype: KVDtypeOpt = None,
+    ctx: CtxOpt = None,
+):
     """What a model is (architecture, sizes, tensor types, tokenizer) and which backends
-    this machine has, with the one --backend auto picks."""
+    this machine has, with the one --backend auto picks; with --memory-budget, the plan:
+    weights, working memory, and how many sequences of what length fit in the KV pool."""
     console = Console()
     console.print(render_info(model_info(model)))
-    console.print(backends_table())
+    if memory_budget is None:
+        console.print(backends_table())
+        return
+    fields = {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "max_model_len": ctx}
+    config = EngineConfig().replace(**{k: v for k, v in fields.items() if v is not None})
+    plan = plan_memory(load_model(model), config, resolve_backend(backend), parse_size(memory_budget))
+    console.print(memory_plan_table(plan))
 
 
 @eval_app.command("ppl")

@@ -8,6 +8,7 @@ import torch
 from rich.progress import Progress
 
 from edgellm.backends.base import Backend
+from edgellm.backends.memory import MemoryPlan, parse_size, plan_memory
 from edgellm.backends.registry import build_backend, resolve_backend
 from edgellm.config import EngineConfig, SpeculativeConfig
 from edgellm.engine.engine import Engine
@@ -35,6 +36,8 @@ class LLM:
             default: SpeculativeConfig's).
         config: an EngineConfig; keyword arguments override its fields (`kv_cache_mb`,
             `max_model_len`, `max_num_seqs`, `dtype`, `threads`, ...; see EngineConfig).
+            `memory_budget` ("4GB", or bytes) plans the KV pool so the process stays
+            inside it; the plan is `llm.memory_plan`.
     """
 
     def __init__(
@@ -51,10 +54,26 @@ class LLM:
         if not isinstance(spec, SpeculativeConfig):
             k = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
             spec = SpeculativeConfig(speculative, draft_model=draft_model, **k)
+        if overrides.get("memory_budget") is not None:
+            if overrides.get("kv_cache_mb") is not None:
+                raise InvalidParameterError(
+                    "give a memory budget or a KV cache size (--kv-cache-mb), not both"
+                )
+            overrides["memory_budget"] = parse_size(overrides["memory_budget"])
         self.config = (config or EngineConfig()).replace(**overrides, speculative=spec)
         self.backend_name = resolve_backend(backend)
         self.loaded = load_model(model)
         self.tokenizer = self.loaded.tokenizer
+        self.memory_plan: MemoryPlan | None = None
+        if self.config.memory_budget is not None:
+            if spec.method == "draft":
+                raise InvalidParameterError(
+                    "a memory budget is planned for one model: not with a draft model"
+                )
+            self.memory_plan = plan_memory(
+                self.loaded, self.config, self.backend_name, self.config.memory_budget
+            )
+            self.config = self.config.replace(**self.memory_plan.engine_overrides())
         self.backend = build_backend(self.backend_name, self.loaded, self.config)
         draft = None
         if spec.method == "draft":

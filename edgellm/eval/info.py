@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from edgellm.backends.cuda import describe as cuda_describe
+from edgellm.backends.memory import MemoryPlan
 from edgellm.backends.mlx import describe as mlx_describe
 from edgellm.backends.registry import AUTO_ORDER, BACKENDS, resolve_backend
 from edgellm.backends.torch import describe as torch_describe
@@ -115,3 +116,32 @@ def backends_table() -> Table:
     t.caption = f"{torch_describe()}\n{mlx_describe()}\n{cuda_describe()}"
     t.caption_justify = "left"
     return t
+
+
+def memory_plan_table(plan: MemoryPlan, lengths: tuple[int, ...] = (512, 2048, 8192)) -> Table:
+    """`edgellm info --memory-budget`: where the budget goes, and what fits in the KV pool
+    with each K/V storage the backend offers."""
+    mib = 2**20
+    t = Table(
+        title=f"memory budget {plan.budget / mib:,.0f} MiB on {plan.backend}", title_justify="left"
+    )
+    for col in ("", "MiB"):
+        t.add_column(col, justify="right" if col else "left")
+    t.add_row("this process (interpreter, libraries, tokenizer)", f"{plan.base / mib:,.0f}")
+    t.add_row("weights", f"{plan.weights / mib:,.0f}")
+    t.add_row("working memory (step buffers, runtime)", f"{plan.working / mib:,.0f}")
+    name = plan.options[plan.kv_dtype][0]
+    t.add_row(f"KV pool ({name}: {plan.tokens:,} tokens)", f"{plan.kv_bytes / mib:,.0f}")
+    t.add_row("total", f"{plan.total / mib:,.0f}")
+    fits = Table(title="what the KV pool holds", title_justify="left")
+    for col in ("K/V", "bytes/token", "tokens", *(f"seqs of {n}" for n in lengths)):
+        fits.add_column(col, justify="left" if col == "K/V" else "right")
+    for key, (label, per_token, tokens) in plan.options.items():
+        mark = " <- planned" if key == plan.kv_dtype else ""
+        row = [f"{label} (--kv-cache-dtype {key}){mark}", f"{per_token:,}", f"{tokens:,}"]
+        row += [f"{plan.sequences(n, key):,}" for n in lengths]
+        fits.add_row(*row)
+    grid = Table.grid()
+    grid.add_row(t)
+    grid.add_row(fits)
+    return grid
