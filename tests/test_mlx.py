@@ -225,8 +225,9 @@ def test_int_checkpoint_runs_as_its_dequantized_weights(tiny_ckpt, monkeypatch):
 
     monkeypatch.setattr(QuantLinear, "use_fast", False)  # torch: dequantize-then-matmul, fp32
     ids = list(range(1, 50))
-    want = LLM(str(tiny_ckpt / "q"), backend="torch", kv_cache_mb=1.0).score(ids)
-    got = LLM(str(tiny_ckpt / "q"), backend="mlx", kv_cache_mb=1.0).score(ids)
+    # fp32 on both (torch's "auto" is bf16 on CPUs with native bf16 dot products)
+    want = LLM(str(tiny_ckpt / "q"), backend="torch", kv_cache_mb=1.0, dtype="float32").score(ids)
+    got = LLM(str(tiny_ckpt / "q"), backend="mlx", kv_cache_mb=1.0, dtype="float32").score(ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

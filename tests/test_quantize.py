@@ -147,7 +147,7 @@ def test_smollm2_checkpoint_loads_in_transformers_with_identical_logits(tmp_path
     quantize(None, str(out), QuantizeOptions(method="rtn", group_size=128), progress=False)
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert {g["weights"]["group_size"] for g in cfg["config_groups"].values()} == {64, 128}
-    llm = LLM(str(out), backend="torch")
+    llm = LLM(str(out), backend="torch", dtype="float32")
     ids = llm.tokenizer.encode(
         "The State of the Union is strong, and the economy", add_special_tokens=False
     )
