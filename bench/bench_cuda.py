@@ -250,22 +250,68 @@ def check_model(ours: Engine, ref: Engine, prompts, n: int) -> dict:
     ]
     same = sum(g == w for g, w in zip(together, want, strict=True))
     bm = ours.block_manager
-    if not all(agree):
-        raise SystemExit(f"-b cuda parts from the reference away from a near-tie: {agree}")
-    if alone != together:
-        raise SystemExit("-b cuda: batched output differs from alone")
+    agree_alone = [
+        near_tie_agree(got, w, reference_margins(ref, p, w))
+        for got, w, p in zip(alone, want, prompts, strict=True)
+    ]
+    if not all(agree) or not all(agree_alone):
+        raise SystemExit(
+            f"-b cuda parts from the reference away from a near-tie: batched {agree}, "
+            f"alone {agree_alone}"
+        )
     if bm.num_free != bm.num_blocks:
         raise SystemExit(f"-b cuda left {bm.num_blocks - bm.num_free} blocks held")
-    return {"prompts": len(prompts), "identical": same, "near_tie_ok": True, "batched_eq_alone": True}
+    # batched == alone is exact on the CPU (float32, tests); in bf16 on a GPU the W4A16 kernel
+    # takes another inner product (GEMV vs tl.dot, split-K) as M changes: measured, not assumed
+    parted = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+        for x, y in zip(alone, together, strict=True)
+    ]
+    if any(i is not None for i in parted):
+        log(f"  batched != alone on {sum(i is not None for i in parted)} of {len(prompts)} "
+            f"prompts (first differing token: {parted}); both within the near-tie rule")
+    return {
+        "prompts": len(prompts), "identical": same, "near_tie_ok": True,
+        "batched_eq_alone": all(i is None for i in parted), "batched_parts_at": parted,
+    }
 
 
 # ---- 3. kernel speed -------------------------------------------------------------------------
+def graph_us(fns: list) -> float:
+    """Microseconds per call of `fns` captured back to back in one CUDA graph (no Python or
+    launch overhead between kernels, as the engine's decode steps run): each callable reads
+    its own copy of the weights, together more than the L2 cache, so every call reads HBM."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return sorted(times)[len(times) // 2]
+
+
 def kernel_speed(device: str, timer: Timer, bandwidth: float, shapes, ms_list) -> list[dict]:
     rows = []
     for n, k in shapes:
         group = 128 if k % 128 == 0 else 64
         w, _, _, _ = random_w4(n, k, group, True, device)
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        # in a graph: enough weight copies to read past the L2 cache (256 MB of each kind)
+        n_w = max(2, min(64, -(-(256 << 20) // w.nbytes))) if device == "cuda" else 0
+        n_d = max(2, min(64, -(-(256 << 20) // dense.nbytes))) if device == "cuda" else 0
+        ws = [w] + [random_w4(n, k, group, True, device, seed=i)[0] for i in range(1, n_w)]
+        ds = [dense] + [torch.randn_like(dense) for _ in range(1, n_d)]
         for m in ms_list:
             x = torch.randn(m, k, device=device, dtype=dense.dtype)
             ours = timer.ms(lambda x=x, w=w: w4a16_matmul(x, w))
@@ -276,8 +322,18 @@ def kernel_speed(device: str, timer: Timer, bandwidth: float, shapes, ms_list) -
                 "cublas_bf16_us": cublas * 1e3, "speedup": cublas / ours,
                 "bw_frac": moved / (ours / 1e3) / bandwidth,
             })  # fmt: skip
+            if device == "cuda":
+                g_ours = graph_us([lambda x=x, w=v: w4a16_matmul(x, w) for v in ws])
+                g_cub = graph_us([lambda x=x, d=v: torch.nn.functional.linear(x, d) for v in ds])
+                rows[-1] |= {
+                    "graph_ours_us": g_ours, "graph_cublas_us": g_cub,
+                    "graph_speedup": g_cub / g_ours, "graph_bw_frac": moved / (g_ours / 1e6) / bandwidth,
+                }  # fmt: skip
             log(f"  W4A16 ({n}, {k}) M={m}: {ours * 1e3:.1f} us vs cuBLAS bf16 "
-                f"{cublas * 1e3:.1f} us ({cublas / ours:.2f}x), {rows[-1]['bw_frac']:.0%} of copy bw")  # fmt: skip
+                f"{cublas * 1e3:.1f} us ({cublas / ours:.2f}x), {rows[-1]['bw_frac']:.0%} of copy bw"
+                + (f"; in a CUDA graph {rows[-1]['graph_ours_us']:.1f} vs {rows[-1]['graph_cublas_us']:.1f} us "
+                   f"({rows[-1]['graph_speedup']:.2f}x), {rows[-1]['graph_bw_frac']:.0%} of copy bw"
+                   if device == "cuda" else ""))  # fmt: skip
     return rows
 
 
@@ -483,13 +539,20 @@ def table(res: dict) -> str:
         f"{res['device']}, torch {res['torch']}, triton {res['triton']}; copy bandwidth "
         f"{res['copy_bandwidth_gb_s']:.0f} GB/s",
         "",
-        "| W4A16 (N, K) | M | ours (us) | cuBLAS bf16 (us) | speedup | of copy bw |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| W4A16 (N, K) | M | ours (us) | cuBLAS bf16 (us) | speedup | of copy bw "
+        "| in a CUDA graph: ours / cuBLAS (us) | speedup | of copy bw |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["w4a16"]:
+        graph = (
+            f"{r['graph_ours_us']:.1f} / {r['graph_cublas_us']:.1f} | {r['graph_speedup']:.2f}x "
+            f"| {r['graph_bw_frac']:.0%}"
+            if "graph_ours_us" in r
+            else "- | - | -"
+        )
         lines.append(
             f"| ({r['N']}, {r['K']}) | {r['M']} | {r['ours_us']:.1f} | {r['cublas_bf16_us']:.1f} "
-            f"| {r['speedup']:.2f}x | {r['bw_frac']:.0%} |"
+            f"| {r['speedup']:.2f}x | {r['bw_frac']:.0%} | {graph} |"
         )
     a = res["attention"]
     lines += [
