@@ -11,8 +11,10 @@ the registry (`backends/registry.py`); `check_backend` holds each to this contra
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -20,6 +22,9 @@ import torch
 from edgellm.config import EngineConfig, kv_pool_blocks
 from edgellm.errors import InvalidParameterError
 from edgellm.kernels.paged_attention import KV_SCALE_SLOTS
+from edgellm.models.llama import attention_windows
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the engine sits above the backends: its types are only named here
     from edgellm.engine.scheduler import ScheduledSeq
@@ -174,15 +179,70 @@ def refuse_quantized_kv(config: EngineConfig, backend: str) -> None:
         )
 
 
-def pool_geometry(args, config: EngineConfig, dtype: torch.dtype | str) -> tuple[int, int, int]:
+KV_WINDOW_CONTEXT = 65536  # positions a `kv_window` run allows by default (max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class Windows:
+    """What each layer attends to: the last `layers[i]` keys (0: all) plus `sinks[i]` first."""
+
+    layers: list[int]
+    sinks: list[int]
+
+    @property
+    def everywhere(self) -> int:
+        """The widest window when every layer has one (the block manager frees outside it)."""
+        return max(self.layers) if self.layers and all(self.layers) else 0
+
+    @property
+    def kept_sinks(self) -> int:
+        return max(self.sinks) if self.everywhere else 0
+
+
+def attention_plan(args, config: EngineConfig) -> Windows:
+    """The layers' windows on a backend that masks them (the model's own, narrowed by
+    `kv_window`)."""
+    return Windows(*attention_windows(args, config.kv_window, config.kv_sinks))
+
+
+def pool_geometry(
+    args, config: EngineConfig, dtype: torch.dtype | str, windows: Windows | None = None,
+    backend: str = "this",
+) -> tuple[int, int, int]:  # fmt: skip
     """(bytes of K/V per token, blocks `kv_cache_mb` holds, the longest sequence): the
     model's context or the config's limit, and never more tokens than the whole pool.
-    `dtype` is how K/V are stored (see `kv_row_bytes`)."""
+    `dtype` is how K/V are stored (see `kv_row_bytes`).
+
+    `windows`: the backend masks sliding windows. When every layer has one, a sequence holds
+    only its window's blocks, so its length is not bounded by the pool (if the pool holds
+    a window, the sinks and one step's chunk). None: the backend attends to the whole
+    context, so a model with sliding windows is limited to its narrowest window (where
+    the two agree exactly), and `kv_window` is an error."""
     per_token = kv_bytes_per_token(
         args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype
     )
     num_blocks = kv_pool_blocks(config.kv_cache_mb, config.block_size, per_token)
     limit = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+    if windows is None:
+        if config.kv_window:
+            raise InvalidParameterError(
+                f"kv_window is not available on the {backend} backend (the torch backend has it)"
+            )
+        declared = [w for w in args.layer_windows() if w]
+        if declared and min(declared) < limit:
+            log.warning(
+                "the %s backend attends to the whole context: the context is limited to the "
+                "model's sliding window of %d tokens, where the two agree",
+                backend, min(declared),
+            )  # fmt: skip
+            limit = min(declared)
+    elif windows.everywhere:
+        if config.kv_window:
+            limit = config.max_model_len or max(args.max_position_embeddings, KV_WINDOW_CONTEXT)
+        bs = config.block_size
+        held = -(-windows.kept_sinks // bs) + -(-(windows.everywhere - 1) // bs) + 1
+        if num_blocks >= held + -(-config.max_num_batched_tokens // bs):
+            return per_token, num_blocks, limit
     return per_token, num_blocks, min(limit, num_blocks * config.block_size)
 
 

@@ -153,7 +153,9 @@ class CUDABackend(HostSwap, PoolStorage):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.fallbacks: list[str] = []  # layers not on our kernels, and why
-        per_token, self.num_blocks, self.max_model_len = pool_geometry(args, config, self.dtype)
+        per_token, self.num_blocks, self.max_model_len = pool_geometry(
+            args, config, self.dtype, backend="cuda"
+        )
         self.table_width = -(-self.max_model_len // self.block_size)
         shape = (self.num_blocks, self.block_size, args.num_key_value_heads, args.head_dim)
         self.kv_caches = [

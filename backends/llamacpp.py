@@ -310,7 +310,7 @@ class LlamaCppBackend:
                 f"not {args.head_dim}"
             )
         _, self.num_blocks, self.max_model_len = pool_geometry(
-            args, config, self.kv_type or torch.float16
+            args, config, self.kv_type or torch.float16, backend="llamacpp"
         )
         n_live = min(config.max_num_seqs, MAX_SEQ // 2)
         self.threads = config.threads or os.cpu_count() or 1

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from edgellm.backends.base import PoolStorage, flatten_batch, pool_geometry, refuse_quantized_kv
+from edgellm.backends.base import (
+    PoolStorage,
+    attention_plan,
+    flatten_batch,
+    pool_geometry,
+    refuse_quantized_kv,
+)
 from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
 from edgellm.kernels.paged_attention_mlx import MLXKVPool, StepAttention
@@ -126,9 +132,11 @@ class MLXBackend(PoolStorage):
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        windows = attention_plan(args, config)
         _, self.num_blocks, self.max_model_len = pool_geometry(
-            args, config, getattr(torch, resolve_dtype(config.dtype))
+            args, config, getattr(torch, resolve_dtype(config.dtype)), windows, backend="mlx"
         )
+        self.attention_window = (windows.everywhere, windows.kept_sinks)
         tensors = {}
         for name, t in weights.tensors.items():
             if t.dtype == torch.uint32:  # packed codes as they are
@@ -139,6 +147,8 @@ class MLXBackend(PoolStorage):
         if config.mlx_quantize != "off" and bits is None:
             groups, bits = quantize_linears(tensors, int(config.mlx_quantize[1:]))
         self.model = MLXModel(args, tensors, groups, bits)
+        for layer, w, s in zip(self.model.layers, windows.layers, windows.sinks, strict=True):
+            layer.window, layer.sinks = w, s
         mx.eval(tensors)
         self.kv = MLXKVPool(args.num_hidden_layers, self.num_blocks, self.block_size,
                             args.num_key_value_heads, args.head_dim, dtype)  # fmt: skip

@@ -10,6 +10,7 @@ import torch
 from edgellm.backends.base import (
     HostSwap,
     PoolStorage,
+    attention_plan,
     copy_pool_blocks,
     flatten_batch,
     kv_row_bytes,
@@ -72,13 +73,21 @@ class TorchBackend(HostSwap, PoolStorage):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         dtype = next(model.parameters()).dtype  # the embeddings': the model's float dtype
         kv_dtype = kv_storage(config, dtype)
-        per_token, self.num_blocks, self.max_model_len = pool_geometry(args, config, kv_dtype)
+        windows = attention_plan(args, config)
+        per_token, self.num_blocks, self.max_model_len = pool_geometry(
+            args, config, kv_dtype, windows
+        )
+        # the block manager frees blocks out of every layer's window (see BlockManager)
+        self.attention_window = (windows.everywhere, windows.kept_sinks)
         row = (
             kv_row_bytes(args.head_dim, kv_dtype) // torch.empty((), dtype=kv_dtype).element_size()
         )
         # the serving form unless EDGELLM_REFERENCE=1 (the reference model runs as is)
         if not (cpu.reference_only() or isinstance(model, FusedModel)):
             model = FusedModel(model, self.max_model_len)
+        for layer, w, s in zip(model.model.layers, windows.layers, windows.sinks, strict=True):
+            attn = getattr(layer, "self_attn", layer)  # a FusedLayer holds them itself
+            attn.window, attn.sinks = w, s
         self.model = model
         self.dtype = dtype
         shape = (self.num_blocks, config.block_size, args.num_key_value_heads, row)
@@ -100,7 +109,9 @@ class TorchBackend(HostSwap, PoolStorage):
         model = build_model(loaded, DTYPES[resolve_dtype(config.dtype)])
         if not cpu.reference_only():  # fused here, so the unfused weights go before the pool
             dtype = next(model.parameters()).dtype
-            _, _, max_len = pool_geometry(loaded.args, config, kv_storage(config, dtype))
+            _, _, max_len = pool_geometry(
+                loaded.args, config, kv_storage(config, dtype), attention_plan(loaded.args, config)
+            )
             model = FusedModel(model, max_len)
         trim_heap()  # the build's and the fusion's freed temporaries back to the OS
         return cls(model, config)
@@ -134,7 +145,8 @@ def prepare_inputs(batch: list[ScheduledSeq], block_size: int, all_logits: bool 
     width = max(len(item.seq.block_table) for item in batch)
     tables = torch.zeros(len(batch), width, dtype=torch.long)
     for b, item in enumerate(batch):
-        tables[b, : len(item.seq.block_table)] = torch.tensor(item.seq.block_table)
+        # released window blocks (NULL_BLOCK) read block 0, masked like the padding
+        tables[b, : len(item.seq.block_table)] = torch.tensor(item.seq.block_table).clamp_(min=0)
     meta = AttentionMetadata(torch.tensor(slots), qsl, ctx, tables)
     return {
         "input_ids": torch.tensor(ids),

@@ -128,6 +128,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-flash", action="store_true")
     ap.add_argument("--qwen", action="store_true", help="also the 4 GB budget on Qwen 1.5B")
+    ap.add_argument("--only-qwen", action="store_true",
+                    help="just the Qwen run, added to the results already written")  # fmt: skip
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
 
@@ -136,7 +138,10 @@ def main() -> None:
     console = Console()
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "caches": [], "flash": []}
     greedy_ref: dict[str, list[list[int]]] = {}
-    for label, backend, opts in CACHES:
+    if args.only_qwen:
+        res = json.loads((Path(args.out_dir) / "memory.json").read_text())
+        args.qwen = True
+    for label, backend, opts in [] if args.only_qwen else CACHES:
         console.print(f"[bold]{time.strftime('%H:%M:%S')}[/] {label}")
         llm = LLM(None, backend=backend, kv_cache_mb=args.kv_mb, threads=args.threads,
                   max_num_batched_tokens=args.seq_len, **opts)  # fmt: skip
@@ -155,7 +160,7 @@ def main() -> None:
         llm.engine.backend.close()
         res["caches"].append(row)
         _write(res, args, console)
-    if not args.skip_flash:
+    if not (args.skip_flash or args.only_qwen):
         for flash in (True, False):
             for conc in (16, 32):
                 console.print(f"[bold]{time.strftime('%H:%M:%S')}[/] llama.cpp flash={flash} x{conc}")

@@ -104,6 +104,12 @@ class EngineConfig:
             memory already).
         preemption: "auto" (swap when a measured copy is cheaper than recomputing),
             "recompute" or "swap" (whenever the host pool has room).
+        kv_window: attend to the last `kv_window` tokens only (plus the first `kv_sinks`), in
+            every layer, on top of the model's own sliding windows (0: off). Blocks outside the
+            window are freed as a sequence grows, so a chat can run past the model's context
+            (positions up to `max_model_len`, 65536 by default then) in a fixed KV budget.
+            Torch backend.
+        kv_sinks: first tokens every query still sees under `kv_window` (attention sinks).
         speculative: speculative decoding (off by default).
     """
 
@@ -126,6 +132,8 @@ class EngineConfig:
     quantize_lm_head: bool = False
     swap_space_mb: float | None = None
     preemption: str = "auto"
+    kv_window: int = 0
+    kv_sinks: int = 4
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -167,6 +175,13 @@ class EngineConfig:
             raise InvalidParameterError("llamacpp_keep_tokens must be >= 0")
         if self.threads is not None and self.threads < 1:
             raise InvalidParameterError("threads must be >= 1")
+        if self.kv_window < 0 or self.kv_sinks < 0:
+            raise InvalidParameterError("kv_window and kv_sinks must be >= 0")
+        if self.kv_window and self.kv_sinks >= self.kv_window:
+            raise InvalidParameterError(
+                f"kv_sinks ({self.kv_sinks}) must be fewer than the kv_window ({self.kv_window}) "
+                "tokens"
+            )
 
     @property
     def keep_tokens(self) -> int:

@@ -93,7 +93,7 @@ def library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _KERNELS.values():
         fn = getattr(lib, name)
-        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
+        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64, i64]
         fn.restype = ctypes.c_int
     lib.linear_rows_f32.argtypes = [ptr] * 4 + [i64] * 3
     lib.linear_rows_f32.restype = ctypes.c_int
@@ -135,6 +135,8 @@ def paged_attention_rows(
     row_seq: torch.Tensor,  # [T] int64: which block table each row reads
     row_len: torch.Tensor,  # [T] int64: keys each row attends to (its position + 1)
     scale: float,
+    window: int = 0,  # only the last `window` of those keys (0: all) ...
+    sinks: int = 0,  # ... and the first `sinks`
 ) -> torch.Tensor:  # [T, H, D] in q's dtype
     """Causal paged attention of arbitrary rows (see cpu_kernels.c)."""
     lib = library()
@@ -147,7 +149,7 @@ def paged_attention_rows(
     failed = getattr(lib, _KERNELS[k_cache.dtype])(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        t, h, kvh, d, bs, tables.shape[1], scale,
+        t, h, kvh, d, bs, tables.shape[1], scale, window, sinks,
     )  # fmt: skip
     if failed:
         raise MemoryError("paged attention could not allocate its scratch buffer")

@@ -9,7 +9,9 @@
  * of query heads that share them (GQA). Scores are kept for the whole context, then
  * softmaxed in fp32: two passes over K and V, no per-row allocation beyond a scratch
  * buffer. Each row's result depends on its own inputs only, so a sequence gets the same
- * bits alone or in any batch.
+ * bits alone or in any batch. With a window (window > 0) a row of n keys sees only its
+ * last `window` keys plus the sequence's first `sinks`: the loops walk those two ranges,
+ * so blocks wholly outside them (freed, id 0 in the table) are never read.
  *
  * Caches: [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (bf16 is widened
  * to fp32 on load), or int8 rows of head_dim codes followed by their fp32 scale
@@ -35,7 +37,7 @@ static inline float bf16_to_f32(uint16_t x) {
     int NAME(const float *q, const CT *k_cache, const CT *v_cache,                         \
              const int64_t *block_tables, const int64_t *row_seq, const int64_t *row_len,  \
              float *out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t BS,         \
-             int64_t W, float scale) {                                                     \
+             int64_t W, float scale, int64_t window, int64_t sinks) {                      \
         const int64_t G = H / KVH, RS = D + (EXTRA); /* cache row: D values (+ scale) */  \
         int64_t max_len = 0;                                                               \
         for (int64_t t = 0; t < T; t++)                                                    \
@@ -51,19 +53,24 @@ static inline float bf16_to_f32(uint16_t x) {
                 float *inv_sum = kv + D;                                                   \
                 _Pragma("omp for schedule(dynamic, 1)")                                    \
                 for (int64_t task = 0; task < T * KVH; task++) {                           \
-                    const int64_t t = task / KVH, h = task % KVH, n = row_len[t];          \
+                    const int64_t t = task / KVH, h = task % KVH, len = row_len[t];        \
+                    /* keys [0, s0) and [lo, len): n of them, key i of the walk is K(i) */ \
+                    const int64_t lo = window > 0 && len > window ? len - window : 0;      \
+                    const int64_t s0 = sinks < lo ? sinks : lo, n = s0 + len - lo;         \
                     const int64_t *table = block_tables + row_seq[t] * W;                  \
                     const float *qh = q + (t * H + h * G) * D;                             \
                     const CT *kb = k_cache, *vb = v_cache;                                 \
-                    for (int64_t j = 0; j < n; j++) {                                      \
-                        if (j % BS == 0) kb = k_cache + (table[j / BS] * BS * KVH + h) * RS; \
+                    for (int64_t i = 0; i < n; i++) {                                      \
+                        const int64_t j = i < s0 ? i : lo + i - s0;                        \
+                        if (i == 0 || i == s0 || j % BS == 0)                              \
+                            kb = k_cache + (table[j / BS] * BS * KVH + h) * RS;            \
                         LOAD_ROW(kv, kb + (j % BS) * KVH * RS, D);                         \
                         for (int64_t g = 0; g < G; g++) {                                  \
                             const float *qg = qh + g * D;                                  \
                             float s = 0.f;                                                 \
                             _Pragma("omp simd reduction(+:s)")                             \
                             for (int64_t d = 0; d < D; d++) s += qg[d] * kv[d];            \
-                            scores[g * max_len + j] = s * scale;                           \
+                            scores[g * max_len + i] = s * scale;                           \
                         }                                                                  \
                     }                                                                      \
                     for (int64_t g = 0; g < G; g++) {                                      \
@@ -76,11 +83,13 @@ static inline float bf16_to_f32(uint16_t x) {
                         inv_sum[g] = 1.f / sum;                                       \
                         memset(acc + g * D, 0, sizeof(float) * (size_t)D);                 \
                     }                                                                      \
-                    for (int64_t j = 0; j < n; j++) {                                      \
-                        if (j % BS == 0) vb = v_cache + (table[j / BS] * BS * KVH + h) * RS; \
+                    for (int64_t i = 0; i < n; i++) {                                      \
+                        const int64_t j = i < s0 ? i : lo + i - s0;                        \
+                        if (i == 0 || i == s0 || j % BS == 0)                              \
+                            vb = v_cache + (table[j / BS] * BS * KVH + h) * RS;            \
                         LOAD_ROW(kv, vb + (j % BS) * KVH * RS, D);                         \
                         for (int64_t g = 0; g < G; g++) {                                  \
-                            const float p = scores[g * max_len + j];                       \
+                            const float p = scores[g * max_len + i];                       \
                             float *ag = acc + g * D;                                       \
                             _Pragma("omp simd")                                            \
                             for (int64_t d = 0; d < D; d++) ag[d] += p * kv[d];            \

@@ -76,19 +76,36 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return cache[block_table[:n_blocks]].flatten(0, 1)[:length]
 
 
+def visible(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int = 0, sinks: int = 0
+) -> torch.Tensor:
+    """Which keys each query sees (broadcast): causal, and with a window of W tokens only
+    keys p - W < k <= p (HF's sliding-window rule) plus the first `sinks` keys (attention
+    sinks, as StreamingLLM keeps them)."""
+    seen = key_pos <= query_pos
+    if window:
+        seen &= (key_pos > query_pos - window) | (key_pos < sinks)
+    return seen
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,  # attend to the last `window` keys only (0: the whole context)
+    sinks: int = 0,  # ... and to the sequence's first `sinks` keys
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each sequence's queries over its cached context.
 
     Single-token (decode) rows are batched into one call; multi-token (prefill)
-    chunks are attended one sequence at a time."""
+    chunks are attended one sequence at a time. Blocks wholly outside a window may be
+    gone from the table (id 0 there): their rows are read and masked, never used."""
     if meta.decode_only:
-        return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return _decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window, sinks
+        )
     out = torch.empty_like(q)
     qsl = meta.query_start_loc
     decodes = [b for b in range(len(meta.context_lens)) if qsl[b + 1] - qsl[b] == 1]
@@ -96,7 +113,7 @@ def paged_attention(
         rows = torch.tensor([qsl[b] for b in decodes], device=q.device)
         out[rows] = _decode_attention(
             q[rows], k_cache, v_cache, meta.block_tables[decodes],
-            [meta.context_lens[b] for b in decodes], scale,
+            [meta.context_lens[b] for b in decodes], scale, window, sinks,
         )  # fmt: skip
     for b, ctx in enumerate(meta.context_lens):
         if len(decodes) > 1 and qsl[b + 1] - qsl[b] == 1:
@@ -104,20 +121,23 @@ def paged_attention(
         s, e = qsl[b], qsl[b + 1]
         k = dequantize_kv(_gather(k_cache, meta.block_tables[b], ctx), q.dtype)  # [ctx, KVH, D]
         v = dequantize_kv(_gather(v_cache, meta.block_tables[b], ctx), q.dtype)
-        out[s:e] = _causal_sdpa(q[s:e], k, v, scale)
+        out[s:e] = _causal_sdpa(q[s:e], k, v, scale, window, sinks)
     return out
 
 
-def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+    sinks: int = 0,
+) -> torch.Tensor:  # fmt: skip
     """q [n, H, D] are the last n positions of a context of k/v [ctx, KVH, D]."""
     n, ctx = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if n == ctx:
+    if n == ctx and not window:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # query i sits at absolute position ctx - n + i and sees keys 0..that position
         rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [n, ctx]
+        mask = visible(rows, torch.arange(ctx, device=q.device)[None, :], window, sinks)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 
@@ -129,6 +149,8 @@ def _decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks]
     context_lens: list[int],
     scale: float,
+    window: int = 0,
+    sinks: int = 0,
 ) -> torch.Tensor:  # [B, H, D]
     """Sequences that decode one token: gather padded contexts and attend in one call."""
     bs = k_cache.shape[1]
@@ -137,7 +159,7 @@ def _decode_attention(
     table = block_tables[:, :n_blocks]  # [B, nb]
     k = dequantize_kv(k_cache[table].flatten(1, 2), torch.float32)  # [B, L, KVH, D]
     v = dequantize_kv(v_cache[table].flatten(1, 2), torch.float32)
-    mask = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]  # [B, L]
+    mask = visible(lens[:, None] - 1, torch.arange(k.shape[1], device=q.device)[None, :], window, sinks)
     # one query per sequence: plain matmuls in float32 over grouped heads beat SDPA's
     # masked GQA path on CPU (much so in bf16)
     b, h, d = q.shape

@@ -13,7 +13,7 @@ write costs the written rows, not the pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -75,6 +75,19 @@ class _Group:
     n_seqs: int
     qmax: int
     ctx: int  # L: keys gathered per sequence
+    qpos: np.ndarray  # [B, qmax] position of each padded query row (padding: 0)
+    windowed: dict = field(default_factory=dict)  # (window, sinks) -> mx bool mask
+
+    def mask_for(self, window: int, sinks: int):
+        """The causal mask, narrowed to the last `window` keys plus the first `sinks`."""
+        if not window:
+            return self.mask
+        if (window, sinks) not in self.windowed:
+            keys = np.arange(self.ctx)[None, None, :]
+            q = self.qpos[:, :, None]
+            seen = (keys <= q) & ((keys > q - window) | (keys < sinks))
+            self.windowed[window, sinks] = mx.array(seen[:, None])
+        return self.windowed[window, sinks]
 
 
 class StepAttention:
@@ -99,8 +112,9 @@ class StepAttention:
         if not np.array_equal(flat, np.arange(len(flat))):
             self.restore = mx.array(np.argsort(flat).astype(np.int32))
 
-    def __call__(self, q, k_pool, v_pool, scale: float):
-        """q [T, H, D] -> [T, H * D]: each row attends to its sequence's keys up to itself."""
+    def __call__(self, q, k_pool, v_pool, scale: float, window: int = 0, sinks: int = 0):
+        """q [T, H, D] -> [T, H * D]: each row attends to its sequence's keys up to itself
+        (with a window: the last `window` of them and the first `sinks`)."""
         t, h, d = q.shape
         n_blocks, bs, n_kv = k_pool.shape[:3]
         outs = []
@@ -110,7 +124,7 @@ class StepAttention:
             k = k_pool[g.table].reshape(g.n_seqs, width, n_kv, d)[:, : g.ctx].transpose(0, 2, 1, 3)
             v = v_pool[g.table].reshape(g.n_seqs, width, n_kv, d)[:, : g.ctx].transpose(0, 2, 1, 3)
             o = mx.fast.scaled_dot_product_attention(qg, k.astype(q.dtype), v.astype(q.dtype),
-                                                     scale=scale, mask=g.mask)  # fmt: skip
+                                                     scale=scale, mask=g.mask_for(window, sinks))  # fmt: skip
             o = o.transpose(0, 2, 1, 3).reshape(g.n_seqs * g.qmax, h * d)
             outs.append(o if g.keep is None else o[g.keep])
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
@@ -126,15 +140,17 @@ def _padded(seqs, q_lens, starts, tables, qsl, block_size: int) -> _Group:
     table = np.zeros((len(seqs), n_blocks), dtype=np.int32)
     rows = np.zeros((len(seqs), qmax), dtype=np.int32)
     mask = np.zeros((len(seqs), 1, qmax, ctx), dtype=bool)
+    qpos = np.zeros((len(seqs), qmax), dtype=np.int64)
     keep = []
     for j, b in enumerate(seqs):
         n, start = q_lens[b], starts[b]
         used = -(-(start + n) // block_size)
-        table[j, :used] = tables[b][:used]
+        table[j, :used] = np.maximum(tables[b][:used], 0)  # released window blocks: masked
         rows[j, :n] = np.arange(qsl[b], qsl[b] + n)
         visible = start + 1 + np.arange(qmax)  # keys each query row sees
         visible[n:] = 1  # padding rows look at key 0 only (kept finite, then dropped)
         mask[j, 0] = np.arange(ctx)[None, :] < visible[:, None]
+        qpos[j] = visible - 1
         keep += range(j * qmax, j * qmax + n)
     whole = len(keep) == len(seqs) * qmax
     if len(seqs) == 1 and starts[seqs[0]] == 0:
@@ -144,4 +160,5 @@ def _padded(seqs, q_lens, starts, tables, qsl, block_size: int) -> _Group:
     return _Group(
         mx.array(rows.reshape(-1)), mx.array(table), mask_arr,
         None if whole else mx.array(np.asarray(keep, dtype=np.int32)), len(seqs), qmax, ctx,
+        qpos,
     )  # fmt: skip

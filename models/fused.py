@@ -160,6 +160,7 @@ class FusedLayer(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale = attn.scale
+        self.window, self.sinks = attn.window, attn.sinks
         self.qkv = Projections([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_proj = _fast(attn.o_proj)
         self.gate_up = Projections([mlp.gate_proj, mlp.up_proj])
@@ -186,24 +187,25 @@ class FusedLayer(nn.Module):
         return self._attention(q, k_cache, v_cache, plan).reshape(t, -1)
 
     def _attention(self, q, k_cache, v_cache, plan: StepPlan) -> torch.Tensor:  # [T, H, D]
-        meta = plan.meta
+        meta, window, sinks = plan.meta, self.window, self.sinks
         if not plan.use_kernel:
-            return paged_attention(q, k_cache, v_cache, meta, self.scale)
+            return paged_attention(q, k_cache, v_cache, meta, self.scale, window, sinks)
         if plan.kernel_rows is None:
             return cpu.paged_attention_rows(
-                q, k_cache, v_cache, meta.block_tables, plan.row_seq, plan.row_len, self.scale
-            )
+                q, k_cache, v_cache, meta.block_tables, plan.row_seq, plan.row_len, self.scale,
+                window, sinks,
+            )  # fmt: skip
         out = torch.empty_like(q)
         if len(plan.kernel_rows):
             out[plan.kernel_rows] = cpu.paged_attention_rows(
                 q[plan.kernel_rows], k_cache, v_cache, meta.block_tables,
-                plan.row_seq, plan.row_len, self.scale,
+                plan.row_seq, plan.row_len, self.scale, window, sinks,
             )  # fmt: skip
         for s, e, b in plan.sdpa_chunks:
             ctx, table = meta.context_lens[b], meta.block_tables[b]
             k = dequantize_kv(_gather(k_cache, table, ctx), q.dtype)  # [ctx, KVH, D]
             v = dequantize_kv(_gather(v_cache, table, ctx), q.dtype)
-            out[s:e] = _causal_sdpa(q[s:e], k, v, self.scale)
+            out[s:e] = _causal_sdpa(q[s:e], k, v, self.scale, window, sinks)
         return out
 
 

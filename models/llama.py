@@ -88,6 +88,10 @@ class ModelArgs:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # sliding-window attention: a layer of type "sliding_attention" lets the query at
+    # position p see keys p - sliding_window < k <= p (HF's rule); None: every layer full
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -100,6 +104,23 @@ class ModelArgs:
             raise UnsupportedArchitectureError(
                 f"{self.num_attention_heads} heads are not a multiple of {self.num_key_value_heads} KV heads"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
+                "full_attention", "sliding_attention"
+            }:
+                raise UnsupportedArchitectureError(
+                    f"layer_types must name full_attention or sliding_attention for each of the "
+                    f"{self.num_hidden_layers} layers, got {self.layer_types!r}"
+                )
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise UnsupportedArchitectureError("sliding_attention layers need a sliding_window")
+
+    def layer_windows(self) -> list[int]:
+        """Each layer's attention window in tokens (0: the whole context)."""
+        if not self.sliding_window:
+            return [0] * self.num_hidden_layers
+        types = self.layer_types or ["sliding_attention"] * self.num_hidden_layers
+        return [self.sliding_window if t == "sliding_attention" else 0 for t in types]
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArgs:
@@ -136,6 +157,19 @@ class ModelArgs:
         if self.model_type == "llama":
             cfg["attention_bias"] = self.qkv_bias
             cfg["mlp_bias"] = False
+        windows = self.layer_windows()
+        if self.model_type == "mistral":
+            cfg["sliding_window"] = self.sliding_window if all(windows) else None
+        if self.model_type == "qwen2":
+            # Qwen2: layers from max_window_layers on slide (when use_sliding_window)
+            first = next((i for i, w in enumerate(windows) if w), len(windows))
+            cfg |= {
+                "use_sliding_window": any(windows),
+                "sliding_window": self.sliding_window if any(windows) else None,
+                "max_window_layers": first,
+            }
+        if any(windows):
+            cfg["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
         return cfg
 
 
@@ -154,7 +188,26 @@ def hf_fields(config: dict) -> dict:
     kw["qkv_bias"] = config.get("attention_bias", FAMILY[model_type]["qkv_bias"])
     if kw.get("head_dim") is None:
         kw.pop("head_dim", None)
+    kw.update(_hf_windows(model_type, config))
     return kw
+
+
+def _hf_windows(model_type: str, config: dict) -> dict:
+    """sliding_window / layer_types as transformers reads them: Mistral slides in every layer
+    when `sliding_window` is set; Qwen2 only with `use_sliding_window`, from layer
+    `max_window_layers` on; Llama never. An explicit `layer_types` list wins."""
+    window = config.get("sliding_window")
+    if model_type == "llama" or not window:
+        return {"sliding_window": None, "layer_types": None}
+    n = config.get("num_hidden_layers")
+    types = config.get("layer_types")
+    if model_type == "qwen2":
+        if not config.get("use_sliding_window", False):
+            return {"sliding_window": None, "layer_types": None}
+        if types is None and isinstance(n, int):
+            first = config.get("max_window_layers", n)
+            types = ["full_attention" if i < first else "sliding_attention" for i in range(n)]
+    return {"sliding_window": window, "layer_types": types}
 
 
 def _hf_rope(config: dict) -> dict:
@@ -167,6 +220,22 @@ def _hf_rope(config: dict) -> dict:
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
     return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def attention_windows(
+    args: ModelArgs, kv_window: int = 0, kv_sinks: int = 0
+) -> tuple[list[int], list[int]]:
+    """(window, sinks) of each layer: the model's own sliding windows, narrowed by a runtime
+    window `kv_window` (which keeps `kv_sinks` first tokens where it is the narrower)."""
+    windows, sinks = [], []
+    for w in args.layer_windows():
+        if kv_window and (not w or kv_window < w):
+            windows.append(kv_window)
+            sinks.append(kv_sinks)
+        else:
+            windows.append(w)
+            sinks.append(0)
+    return windows, sinks
 
 
 def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -249,8 +318,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, window: int = 0):
         super().__init__()
+        # the keys a query sees: the last `window` (0: all) plus the first `sinks`
+        self.window, self.sinks = window, 0
         self.n_heads, self.n_kv_heads, self.head_dim = (
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -275,7 +346,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.sinks)
         return o.reshape(t, -1)
 
 
@@ -292,9 +363,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, window: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, window)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -322,7 +393,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, w) for w in args.layer_windows())
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -357,6 +428,11 @@ class Model(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(self.model.norm(h)).float()
+
+    def set_windows(self, windows: list[int], sinks: list[int]) -> None:
+        """Each layer's attention window and sink tokens (see `attention_windows`)."""
+        for layer, w, s in zip(self.model.layers, windows, sinks, strict=True):
+            layer.self_attn.window, layer.self_attn.sinks = w, s
 
     def sanitize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Drop tensors the model does not use; share the embedding when tied."""

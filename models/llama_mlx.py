@@ -79,6 +79,7 @@ class DecoderLayer:
             args.num_attention_heads, args.num_key_value_heads, args.head_dim,
         )  # fmt: skip
         self.scale = args.head_dim**-0.5
+        self.window, self.sinks = 0, 0  # attention window and sinks (the backend sets them)
 
     def __call__(self, h, rope, kv: MLXKVPool, i: int, slots, attn: StepAttention):
         t = h.shape[0]
@@ -92,7 +93,7 @@ class DecoderLayer:
         q = rope(q.reshape(t, self.n_heads, 1, self.head_dim))[:, :, 0]
         k = rope(k.reshape(t, self.n_kv, 1, self.head_dim))[:, :, 0]
         kv.write(i, k, v.reshape(t, self.n_kv, self.head_dim), slots)
-        h = h + self.o_proj(attn(q, kv.k[i], kv.v[i], self.scale))
+        h = h + self.o_proj(attn(q, kv.k[i], kv.v[i], self.scale, self.window, self.sinks))
         x = mx.fast.rms_norm(h, self.post_norm, self.eps)
         if self.gate_up is not None:
             gu = self.gate_up(x)

@@ -19,7 +19,7 @@ import torch
 
 from edgellm.backends.base import Backend
 from edgellm.config import EngineConfig
-from edgellm.engine.block_manager import BlockManager
+from edgellm.engine.block_manager import BlockManager, live
 from edgellm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
 from edgellm.engine.scheduler import ScheduledSeq, Scheduler
 from edgellm.engine.sequence import Sequence
@@ -70,12 +70,16 @@ class Engine:
         # the backend hears of prefix-cache changes; it may give a block up through `uncache`
         # offloading: a backend with host swap space (HostSwap) can park preempted K/V
         self.num_host_blocks = getattr(backend, "num_host_blocks", 0)
+        # sliding windows in every layer: blocks out of them are freed as sequences grow
+        window, sinks = getattr(backend, "attention_window", (0, 0))
         self.block_manager = BlockManager(
             backend.num_blocks,
             backend.block_size,
             self.config.enable_prefix_caching,
             backend,
             self.num_host_blocks,
+            window,
+            sinks,
         )
         backend.bind(self.block_manager.uncache)
         self.scheduler = Scheduler(
@@ -132,7 +136,8 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.backend.vocab_size]
         if bad:
             raise InvalidParameterError(f"token id {bad[0]} is outside the vocabulary")
-        if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_blocks:
+        bm = self.block_manager
+        if not bm.window and bm.blocks_needed(len(ids) + 1) > bm.num_blocks:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens but the KV cache holds only "
                 f"{self.block_manager.num_blocks * self.block_manager.block_size}; raise --kv-cache-mb"
@@ -214,7 +219,7 @@ class Engine:
             return mode == "swap"
         if self.token_seconds is None:  # nothing measured yet: recomputing is the safe default
             return False
-        swap = self.backend.swap_seconds(len(seq.block_table))
+        swap = self.backend.swap_seconds(len(live(seq.block_table)))
         return swap < seq.num_computed_tokens * self.token_seconds
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> dict[int, Proposal]:
@@ -454,7 +459,7 @@ class Engine:
     def metrics(self) -> dict:
         bm = self.block_manager
         used_slots = sum(len(s) for s in self.scheduler.running)
-        alloc_slots = sum(len(s.block_table) for s in self.scheduler.running) * bm.block_size
+        alloc_slots = sum(len(live(s.block_table)) for s in self.scheduler.running) * bm.block_size
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -476,15 +481,21 @@ class Engine:
         """Log-probability of each token given the ones before it: [len - 1] float32."""
         self._check_prompt(token_ids[:-1] or token_ids)
         seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
-        if self.block_manager.blocks_needed(len(seq)) > self.block_manager.num_free:
+        bm, chunk = self.block_manager, self.config.max_num_batched_tokens
+        # with a window blocks come chunk by chunk (and go behind it), else all at once
+        first = min(len(seq), chunk) if bm.window else len(seq)
+        if bm.blocks_needed(first) > bm.num_free:
             raise ContextLengthError("the KV cache is too small (or busy) for this window")
         # every position needs logits, so cached prefix blocks are of no use here
-        self.block_manager.allocate(seq, use_prefix_cache=False)
+        bm.allocate(seq, use_prefix_cache=False, num_new=first)
         out = torch.empty(len(token_ids) - 1)
         try:
             while seq.num_computed_tokens < len(seq) - 1:
-                n = min(len(seq) - 1 - seq.num_computed_tokens, self.config.max_num_batched_tokens)
+                n = min(len(seq) - 1 - seq.num_computed_tokens, chunk)
                 s = seq.num_computed_tokens
+                if not bm.can_append(seq, 0, s + n):
+                    raise ContextLengthError("the KV cache is too small (or busy) for this window")
+                bm.append_slots(seq, 0, s + n)
                 logits = self.backend.forward([ScheduledSeq(seq, n)], all_logits=True)
                 targets = torch.tensor(token_ids[s + 1 : s + n + 1])
                 out[s : s + n] = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]

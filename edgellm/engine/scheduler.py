@@ -150,11 +150,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
-            while not bm.can_append(seq, 0) and self._preempt_newest(out, keep=seq):
+            upto = seq.num_computed_tokens + n  # blocks come lazily with a window
+            while not bm.can_append(seq, 0, upto) and self._preempt_newest(out, keep=seq):
                 pass
             if seq not in self.running:  # preempted itself: nothing else could give way
                 continue
-            out.block_copies += bm.append_slots(seq, 0)
+            out.block_copies += bm.append_slots(seq, 0, upto)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
@@ -193,14 +194,14 @@ class Scheduler:
         slots = sum(1 + s.pending_forks for s in self.running)
         while self.swapped and budget > 0 and slots < self.config.max_num_seqs:
             seq = self.swapped[0]
-            if not bm.can_swap_in(seq):
+            n = min(seq.num_uncomputed, budget)
+            if not bm.can_swap_in(seq, seq.num_computed_tokens + n):
                 break
             self.swapped.popleft()
             out.swap_in += bm.swap_in(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.block_copies += bm.append_slots(seq, 0)
-            n = min(seq.num_uncomputed, budget)
+            out.block_copies += bm.append_slots(seq, 0, seq.num_computed_tokens + n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             slots += 1
@@ -212,11 +213,13 @@ class Scheduler:
         slots = sum(1 + s.pending_forks for s in [*self.running, *self.swapped])
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if slots + 1 + seq.pending_forks > self.config.max_num_seqs or not bm.can_allocate(seq):
+            if slots + 1 + seq.pending_forks > self.config.max_num_seqs or not bm.can_allocate(
+                seq, budget
+            ):
                 break
             slots += 1 + seq.pending_forks
             self.waiting.popleft()
-            bm.allocate(seq)
+            bm.allocate(seq, num_new=budget)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)

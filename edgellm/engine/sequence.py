@@ -41,6 +41,10 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
+    # chained hash of each full block of token_ids (a pure function of the tokens, which only
+    # grow): the prefix cache's keys, kept so that released window blocks need no lookup
+    block_hashes: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0  # table entries before this (past the sinks) are released
     generator: torch.Generator | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, when finish_reason is "error"

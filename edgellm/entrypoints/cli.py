@@ -73,6 +73,17 @@ KVDtypeOpt = Annotated[
         help="auto | int8 (8-bit K/V: ~2x the tokens per MB; torch, llamacpp) | int4 (llamacpp)",
     ),
 ]
+KVWindowOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-window",
+        help="attend to the last N tokens only (plus --kv-sinks first ones); blocks outside "
+        "are freed, so chats run past the context in a fixed KV budget (torch)",
+    ),
+]
+KVSinksOpt = Annotated[
+    int | None, typer.Option("--kv-sinks", help="first tokens kept under --kv-window (default 4)")
+]
 BudgetOpt = Annotated[
     str | None,
     typer.Option(
@@ -127,6 +138,8 @@ ENGINE_OPTIONS = (
     "dtype",
     "kv_cache_mb",
     "kv_cache_dtype",
+    "kv_window",
+    "kv_sinks",
     "memory_budget",
     "max_num_seqs",
     "verbose",
@@ -159,6 +172,8 @@ def generate(
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
+    kv_window: KVWindowOpt = None,
+    kv_sinks: KVSinksOpt = None,
     memory_budget: BudgetOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
@@ -231,6 +246,8 @@ def chat(
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
+    kv_window: KVWindowOpt = None,
+    kv_sinks: KVSinksOpt = None,
     memory_budget: BudgetOpt = None,
     ctx: CtxOpt = None,
     verbose: VerboseOpt = False,
@@ -258,6 +275,8 @@ def serve(
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
+    kv_window: KVWindowOpt = None,
+    kv_sinks: KVSinksOpt = None,
     memory_budget: BudgetOpt = None,
     max_num_seqs: MaxSeqsOpt = None,
     ctx: CtxOpt = None,
@@ -305,6 +324,8 @@ def bench(
     dtype: DtypeOpt = None,
     kv_cache_mb: KVCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
+    kv_window: KVWindowOpt = None,
+    kv_sinks: KVSinksOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
     quantize_lm_head: HeadOpt = None,
@@ -360,6 +381,8 @@ def info(
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
+    kv_window: KVWindowOpt = None,
+    kv_sinks: KVSinksOpt = None,
     ctx: CtxOpt = None,
 ):
     """What a model is (architecture, sizes, tensor types, tokenizer) and which backends
@@ -370,7 +393,10 @@ def info(
     if memory_budget is None:
         console.print(backends_table())
         return
-    fields = {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "max_model_len": ctx}
+    fields = {
+        "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "max_model_len": ctx,
+        "kv_window": kv_window, "kv_sinks": kv_sinks,
+    }  # fmt: skip
     config = EngineConfig().replace(**{k: v for k, v in fields.items() if v is not None})
     plan = plan_memory(load_model(model), config, resolve_backend(backend), parse_size(memory_budget))
     console.print(memory_plan_table(plan))
@@ -384,6 +410,8 @@ def eval_ppl(
     dtype: DtypeOpt = None,
     verbose: VerboseOpt = False,
     llamacpp_type: LlamaCppTypeOpt = None,
+    kv_window: KVWindowOpt = None,
+    kv_sinks: KVSinksOpt = None,
     text: Annotated[
         str, typer.Option(help="sotu | sotu-calib | shakespeare | a text file")
     ] = "sotu",

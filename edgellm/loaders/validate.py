@@ -34,6 +34,7 @@ INT_LIMITS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 22),
     "head_dim": (0, 4096),  # 0: hidden_size // num_attention_heads
     "max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24),  # None (absent): no sliding-window layers
 }
 # float fields -> (exclusive lower, inclusive upper) bound; both must be finite
 FLOAT_LIMITS: dict[str, tuple[float, float]] = {
@@ -97,8 +98,13 @@ def model_args(raw: dict[str, Any], naming: Naming) -> ModelArgs:
         if kw.get(name) is None:
             raise naming.error(f"{naming.key(name)} is missing")
     for name, (lo, hi) in INT_LIMITS.items():
-        if name in kw:
+        if name in kw and not (name == "sliding_window" and kw[name] is None):
             kw[name] = _int_in(kw[name], lo, hi, naming.key(name), naming)
+    types = kw.get("layer_types")
+    if types is not None and not (
+        isinstance(types, list) and all(isinstance(t, str) for t in types)
+    ):
+        raise naming.bad("layer_types", types, "a list of attention types, one per layer")
     for name, (lo, hi) in FLOAT_LIMITS.items():
         if name in kw:
             kw[name] = _float_in(kw[name], lo, hi, naming.key(name), naming)
