@@ -30,6 +30,7 @@ from torch import nn
 from edgellm.backends.base import (
     HostSwap,
     PoolStorage,
+    attention_plan,
     copy_pool_blocks,
     flatten_batch,
     pool_geometry,
@@ -153,9 +154,11 @@ class CUDABackend(HostSwap, PoolStorage):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.fallbacks: list[str] = []  # layers not on our kernels, and why
+        windows = attention_plan(args, config)
         per_token, self.num_blocks, self.max_model_len = pool_geometry(
-            args, config, self.dtype, backend="cuda"
+            args, config, self.dtype, windows, backend="cuda"
         )
+        self.attention_window = (windows.everywhere, windows.kept_sinks)
         self.table_width = -(-self.max_model_len // self.block_size)
         shape = (self.num_blocks, self.block_size, args.num_key_value_heads, args.head_dim)
         self.kv_caches = [
@@ -168,6 +171,7 @@ class CUDABackend(HostSwap, PoolStorage):
         self.n_kv_heads = args.num_key_value_heads
         head = self._quantized_head(model) if config.quantize_lm_head else None
         self.model = TritonModel(model, self._projection, self.device, self.dtype, head)
+        self.model.windows, self.model.sinks = windows.layers, windows.sinks
         self.projection_bytes = (
             sum(
                 p.nbytes
@@ -261,7 +265,7 @@ class CUDABackend(HostSwap, PoolStorage):
         width = max(len(t) for t in tables)
         bt = torch.zeros(len(tables), width, dtype=torch.int32)
         for b, t in enumerate(tables):
-            bt[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            bt[b, : len(t)] = torch.tensor(t, dtype=torch.int32).clamp_(min=0)  # freed: masked
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
@@ -281,7 +285,7 @@ class CUDABackend(HostSwap, PoolStorage):
             torch.tensor(qsl, dtype=torch.int32, device=dev),
             max(q_lens),
             splits,
-            None if len(rows) == total else torch.tensor(rows, device=dev),
+            None if len(rows) == total else torch.tensor(rows, dtype=torch.long, device=dev),
             meta,
         )
 
@@ -341,7 +345,7 @@ class _DecodeGraph:
         h[3, :b] = torch.tensor(ctx)
         self.host_tables.zero_()
         for i, t in enumerate(tables):
-            self.host_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            self.host_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32).clamp_(min=0)
         s = self.step
         s.input_ids.copy_(h[0], non_blocking=True)
         s.positions.copy_(h[1], non_blocking=True)

@@ -62,6 +62,7 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale):
 @triton.jit
 def _mixed_kernel(
     Q, KC, VC, OUT, BT, CTX, QSL, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    WINDOW, SINKS,
     H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
@@ -87,11 +88,27 @@ def _mixed_kernel(
     m_i = tl.full((BLOCK_Q * G_PAD,), NEG, tl.float32)
     l_i = tl.zeros((BLOCK_Q * G_PAD,), tl.float32)
     acc = tl.zeros((BLOCK_Q * G_PAD, BLOCK_D), tl.float32)
-    for start in range(0, last, TILE):
+    # with a window: the tile's first query sees keys from lo on (plus the first SINKS), so
+    # the sink tiles [0, sink_end) and the window's [lo_t, last) are walked, nothing between
+    first = n_ctx - q_len + q_tile * BLOCK_Q
+    lo_t = tl.where(WINDOW > 0, tl.maximum(first - WINDOW + 1, 0) // TILE * TILE, 0)
+    sink_end = tl.where(WINDOW > 0, tl.minimum(SINKS, lo_t), 0)
+    for start in range(0, sink_end, TILE):
+        keys = start + tl.arange(0, TILE)
+        k = _load_kv_tile(KC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
+        v = _load_kv_tile(VC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
+        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < sink_end) & row_ok[:, None]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
+    for start in range(lo_t, last, TILE):
         keys = start + tl.arange(0, TILE)
         k = _load_kv_tile(KC, BT, b, keys, last, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
         v = _load_kv_tile(VC, BT, b, keys, last, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
-        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < last) & row_ok[:, None]
+        in_window = (
+            (keys[None, :] > pos[:, None] - WINDOW) | (keys[None, :] < SINKS) | (WINDOW == 0)
+        )
+        visible = (
+            (keys[None, :] <= pos[:, None]) & (keys[None, :] < last) & row_ok[:, None] & in_window
+        )
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = (
@@ -102,7 +119,7 @@ def _mixed_kernel(
 
 @triton.jit
 def _decode_kernel(
-    Q, KC, VC, PART_O, PART_LSE, BT, CTX, scale, stride_qt, stride_qh, stride_bt,
+    Q, KC, VC, PART_O, PART_LSE, BT, CTX, scale, stride_qt, stride_qh, stride_bt, WINDOW, SINKS,
     H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -111,9 +128,13 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n_ctx = tl.load(CTX + b)
+    # with a window the query (position n_ctx - 1) sees keys from n_ctx - WINDOW on, and the
+    # first SINKS (walked by split 0); the splits share the window's tiles
+    base = tl.where(WINDOW > 0, tl.maximum(n_ctx - WINDOW, 0) // TILE * TILE, 0)
+    sink_end = tl.where((WINDOW > 0) & (split == 0), tl.minimum(SINKS, base), 0)
     # this split's keys: equal shares, rounded up to whole tiles
-    per_split = tl.cdiv(tl.cdiv(n_ctx, NUM_SPLITS), TILE) * TILE
-    lo = split * per_split
+    per_split = tl.cdiv(tl.cdiv(n_ctx - base, NUM_SPLITS), TILE) * TILE
+    lo = base + split * per_split
     hi = tl.minimum(lo + per_split, n_ctx)
     g = tl.arange(0, ROWS)
     row_ok = g < G
@@ -127,11 +148,18 @@ def _decode_kernel(
     m_i = tl.full((ROWS,), NEG, tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
+    for start in range(0, sink_end, TILE):
+        keys = start + tl.arange(0, TILE)
+        k = _load_kv_tile(KC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
+        v = _load_kv_tile(VC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
+        visible = (keys[None, :] < sink_end) & row_ok[:, None]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
     for start in range(lo, hi, TILE):
         keys = start + tl.arange(0, TILE)
         k = _load_kv_tile(KC, BT, b, keys, hi, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
         v = _load_kv_tile(VC, BT, b, keys, hi, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
-        visible = (keys[None, :] < hi) & row_ok[:, None]
+        in_window = (keys[None, :] >= n_ctx - WINDOW) | (keys[None, :] < SINKS) | (WINDOW == 0)
+        visible = (keys[None, :] < hi) & row_ok[:, None] & in_window
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -200,6 +228,8 @@ def paged_attention_triton(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]
+    window: int = 0,  # the last `window` keys only (0: all) ...
+    sinks: int = 0,  # ... and the first `sinks`
 ) -> torch.Tensor:
     """Causal attention of every sequence's queries over its cached keys (any batch)."""
     h, kvh, d, block_size, g = _shape(q, k_cache)
@@ -210,7 +240,7 @@ def paged_attention_triton(
     _mixed_kernel[grid](
         q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BLOCK_D=triton.next_power_of_2(d),
+        window, sinks, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE=TILE_N,
     )  # fmt: skip
     return out
@@ -234,6 +264,8 @@ def paged_decode_triton(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Split-KV (flash-decoding) attention for a decode-only batch."""
     h, kvh, d, block_size, g = _shape(q, k_cache)
@@ -244,7 +276,7 @@ def paged_decode_triton(
     block_d = triton.next_power_of_2(d)
     _decode_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, part_o, part_lse, block_tables, context_lens, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), block_tables.stride(0), window, sinks,
         H=h, KVH=kvh, G=g, ROWS=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE=TILE_N, NUM_SPLITS=num_splits,
     )  # fmt: skip

@@ -78,6 +78,8 @@ class TritonModel:
         self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
         self.eps = args.rms_norm_eps
         self.scale = args.head_dim**-0.5
+        # each layer's attention window and sinks (the backend sets them; 0: the whole context)
+        self.windows, self.sinks = args.layer_windows(), [0] * args.num_hidden_layers
         # head sizes the attention kernels cannot take run the torch reference instead
         self.kernel_attention = kernel_takes(args.head_dim)
         if not self.kernel_attention:
@@ -122,7 +124,7 @@ class TritonModel:
                 layer.qkv(x), step.positions, self.inv_freq, k_cache, v_cache,
                 step.slot_mapping, self.n_heads,
             )  # fmt: skip
-            o = self._attention(q, k_cache, v_cache, step)
+            o = self._attention(q, k_cache, v_cache, step, self.windows[i], self.sinks[i])
             h = layer.o(o.view(t, -1))
             x = rms_norm(h, layer.post_norm, self.eps, residual)
             h = layer.down(silu_and_mul(layer.gate_up(x)))
@@ -130,15 +132,15 @@ class TritonModel:
             h, residual = h[step.logits_indices], residual[step.logits_indices]
         return self.lm_head(rms_norm(h, self.norm, self.eps, residual)).float()
 
-    def _attention(self, q, k_cache, v_cache, step: StepTensors) -> torch.Tensor:
+    def _attention(self, q, k_cache, v_cache, step: StepTensors, window: int, sinks: int):
         if not self.kernel_attention:
-            return paged_attention(q, k_cache, v_cache, step.meta, self.scale)
+            return paged_attention(q, k_cache, v_cache, step.meta, self.scale, window, sinks)
         if step.decode_only:
             return paged_decode_triton(
                 q, k_cache, v_cache, step.block_tables, step.context_lens, self.scale,
-                step.num_splits,
+                step.num_splits, window=window, sinks=sinks,
             )  # fmt: skip
         return paged_attention_triton(
             q, k_cache, v_cache, step.block_tables, step.context_lens, step.query_start_loc,
-            step.max_query_len, self.scale,
+            step.max_query_len, self.scale, window=window, sinks=sinks,
         )  # fmt: skip

@@ -8,7 +8,8 @@
   length, a sequence runs past the whole pool, and batching, chunked prefill, prefix hits,
   forks, preemption (recompute and swap) and speculation stay exact with freed blocks;
 - `kv_window` + sinks equals the dense masked reference and runs past the model's context;
-- errors and the backends that attend densely (their context stops at the window).
+- errors, and llama.cpp, which attends densely (its context stops at the window);
+- the MLX backend (here) and the CUDA backend (tests/test_triton.py) equal the torch backend.
 """
 
 from __future__ import annotations
@@ -312,8 +313,8 @@ def test_window_options_are_clear_errors():
 
 
 def test_dense_backends_stop_at_the_window(caplog):
-    """llama.cpp and CUDA attend to the whole context: a windowed model's context there is its
-    window (where dense and windowed attention agree), with a warning."""
+    """llama.cpp attends to the whole context: a windowed model's context there is its window
+    (where dense and windowed attention agree), with a warning."""
     _, cfg = tiny_hf_model("mistral", sliding_window=8)
     args = ModelArgs.from_hf_config(cfg)
     with caplog.at_level(logging.WARNING):
