@@ -226,7 +226,8 @@ def pool_geometry(
     if windows is None:
         if config.kv_window:
             raise InvalidParameterError(
-                f"kv_window is not available on the {backend} backend (the torch backend has it)"
+                f"kv_window is not available on the {backend} backend, which attends to the whole "
+                "context (the torch, mlx and cuda backends have it)"
             )
         declared = [w for w in args.layer_windows() if w]
         if declared and min(declared) < limit:

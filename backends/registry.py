@@ -68,18 +68,24 @@ AUTO_ORDER = (
     ("cuda", "mlx", "llamacpp", "torch") if mlx.apple_silicon() else ("cuda", "llamacpp", "torch")
 )
 CHOICES = ("auto", *BACKENDS)
+# backends that attend to the whole context (no `kv_window`): `auto` passes them over for one
+DENSE_ATTENTION = ("llamacpp",)
 
 
 def available_backends() -> list[str]:
     return [name for name, entry in BACKENDS.items() if entry.available()]
 
 
-def resolve_backend(name: str) -> str:
-    """The concrete backend for `name`; "auto" picks the first available of AUTO_ORDER."""
+def resolve_backend(name: str, kv_window: int = 0) -> str:
+    """The concrete backend for `name`; "auto" picks the first available of AUTO_ORDER (with
+    a `kv_window`, the first that masks one)."""
     if name not in CHOICES:
         raise InvalidParameterError(f"unknown backend {name!r} (available: {', '.join(CHOICES)})")
     if name == "auto":
-        return next(b for b in AUTO_ORDER if BACKENDS[b].available())
+        return next(
+            b for b in AUTO_ORDER
+            if BACKENDS[b].available() and not (kv_window and b in DENSE_ATTENTION)
+        )  # fmt: skip
     entry = BACKENDS[name]
     if not entry.available():
         why = entry.why_unavailable()

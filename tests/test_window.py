@@ -310,6 +310,10 @@ def test_window_options_are_clear_errors():
     args = ModelArgs.from_hf_config(cfg)
     with pytest.raises(InvalidParameterError, match="kv_window is not available on the llamacpp"):
         pool_geometry(args, EngineConfig(kv_window=64), torch.float32, backend="llamacpp")
+    from edgellm.backends.registry import AUTO_ORDER, BACKENDS, resolve_backend
+
+    masked = next(b for b in AUTO_ORDER if BACKENDS[b].available() and b != "llamacpp")
+    assert resolve_backend("auto", kv_window=64) == masked  # auto passes llama.cpp over
 
 
 def test_dense_backends_stop_at_the_window(caplog):
@@ -347,3 +351,22 @@ def test_mlx_backend_windows_equal_torch():
         for g, w in zip(got, want, strict=True):
             same = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
             assert same is None or same > 10, (g, w)  # fp32 both: parting only late, at a tie
+
+
+def test_cli_kv_window(capsys, monkeypatch):
+    """`--kv-window` reaches the engine (auto passes llama.cpp over); bad values are one line."""
+    from tests.test_cli import assert_one_line_error, run_cli
+
+    code, out, err = run_cli(
+        ["generate", "The State of the Union", "-n", "6", "--kv-window", "32", "--kv-sinks", "2"],
+        capsys, monkeypatch,
+    )  # fmt: skip
+    assert code in (0, None) and "6 generated" in err
+    code, _, err = run_cli(
+        ["generate", "x", "-n", "2", "--kv-window", "4", "--kv-sinks", "4"], capsys, monkeypatch
+    )
+    assert_one_line_error(code, err, "must be fewer than the kv_window")
+    code, _, err = run_cli(
+        ["generate", "x", "-n", "2", "-b", "llamacpp", "--kv-window", "64"], capsys, monkeypatch
+    )
+    assert_one_line_error(code, err, "kv_window is not available on the llamacpp backend")

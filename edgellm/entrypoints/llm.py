@@ -61,7 +61,7 @@ class LLM:
                 )
             overrides["memory_budget"] = parse_size(overrides["memory_budget"])
         self.config = (config or EngineConfig()).replace(**overrides, speculative=spec)
-        self.backend_name = resolve_backend(backend)
+        self.backend_name = resolve_backend(backend, self.config.kv_window)
         self.loaded = load_model(model)
         self.tokenizer = self.loaded.tokenizer
         self.memory_plan: MemoryPlan | None = None
