@@ -170,15 +170,6 @@ def trim_heap() -> None:
         pass
 
 
-def refuse_quantized_kv(config: EngineConfig, backend: str) -> None:
-    """For a backend that stores K/V only in its float dtype: a clear error for int8."""
-    if config.kv_cache_dtype != "auto":
-        raise InvalidParameterError(
-            f"kv_cache_dtype {config.kv_cache_dtype} is not available on the {backend} "
-            "backend (the torch and llamacpp backends have it)"
-        )
-
-
 KV_WINDOW_CONTEXT = 65536  # positions a `kv_window` run allows by default (max_model_len)
 
 

@@ -34,7 +34,6 @@ from edgellm.backends.base import (
     copy_pool_blocks,
     flatten_batch,
     pool_geometry,
-    refuse_quantized_kv,
 )
 from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
@@ -145,7 +144,11 @@ class CUDABackend(HostSwap, PoolStorage):
     ):
         if TRITON_ERROR is not None:
             raise InvalidParameterError(f"the cuda backend needs Triton: {TRITON_ERROR}")
-        refuse_quantized_kv(config, "cuda")
+        if config.kv_cache_dtype == "int4":
+            raise InvalidParameterError(
+                "kv_cache_dtype int4 is on the llamacpp backend only (q4_0 K/V); the cuda "
+                "backend takes auto or int8"
+            )
         args = model.args
         self.device = torch.device(device)
         self.dtype = dtype or next(model.parameters()).dtype
@@ -155,16 +158,19 @@ class CUDABackend(HostSwap, PoolStorage):
         self.max_num_seqs = config.max_num_seqs
         self.fallbacks: list[str] = []  # layers not on our kernels, and why
         windows = attention_plan(args, config)
+        # K/V in the compute dtype, or int8 rows: head_dim codes + the row's fp32 scale
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         per_token, self.num_blocks, self.max_model_len = pool_geometry(
-            args, config, self.dtype, windows, backend="cuda"
+            args, config, kv_dtype, windows, backend="cuda"
         )
         self.attention_window = (windows.everywhere, windows.kept_sinks)
         self.table_width = -(-self.max_model_len // self.block_size)
-        shape = (self.num_blocks, self.block_size, args.num_key_value_heads, args.head_dim)
+        row = args.head_dim + (4 if kv_dtype == torch.int8 else 0)
+        shape = (self.num_blocks, self.block_size, args.num_key_value_heads, row)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=kv_dtype, device=self.device),
             )
             for _ in range(args.num_hidden_layers)
         ]

@@ -28,7 +28,6 @@ from edgellm.backends.base import (
     attention_plan,
     flatten_batch,
     pool_geometry,
-    refuse_quantized_kv,
 )
 from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
@@ -126,15 +125,24 @@ class MLXBackend(PoolStorage):
     def __init__(self, args: ModelArgs, weights: MLXWeights, config: EngineConfig):
         if mx is None:
             raise InvalidParameterError("the mlx backend needs MLX (pip install 'edgellm[mlx]')")
-        refuse_quantized_kv(config, "mlx")
+        if config.kv_cache_dtype == "int4":
+            raise InvalidParameterError(
+                "kv_cache_dtype int4 is on the llamacpp backend only (q4_0 K/V); the mlx "
+                "backend takes auto or int8"
+            )
         dtype = getattr(mx, resolve_dtype(config.dtype))
+        # K/V in the compute dtype, or int8 rows (codes + fp32 scale, as the torch backend's)
+        kv_dtype = mx.int8 if config.kv_cache_dtype == "int8" else dtype
+        kv_torch = torch.int8 if config.kv_cache_dtype == "int8" else getattr(
+            torch, resolve_dtype(config.dtype)
+        )
         self.args = args
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         windows = attention_plan(args, config)
         _, self.num_blocks, self.max_model_len = pool_geometry(
-            args, config, getattr(torch, resolve_dtype(config.dtype)), windows, backend="mlx"
+            args, config, kv_torch, windows, backend="mlx"
         )
         self.attention_window = (windows.everywhere, windows.kept_sinks)
         tensors = {}
@@ -151,7 +159,7 @@ class MLXBackend(PoolStorage):
             layer.window, layer.sinks = w, s
         mx.eval(tensors)
         self.kv = MLXKVPool(args.num_hidden_layers, self.num_blocks, self.block_size,
-                            args.num_key_value_heads, args.head_dim, dtype)  # fmt: skip
+                            args.num_key_value_heads, args.head_dim, kv_dtype)  # fmt: skip
         self.dtype = dtype
         self.weights_bytes = sum(a.nbytes for a in tensors.values())
         self._ahead: _Ahead | None = None

@@ -79,9 +79,9 @@ class EngineConfig:
         dtype: float dtype of weights and KV cache where the backend has a choice.
         kv_cache_dtype: "auto" (K/V in the backend's float dtype) or "int8": 8-bit K/V, so
             the same `kv_cache_mb` holds about twice the tokens of a 16-bit cache (four
-            times fp32's). Torch: symmetric per (token, KV head) with an fp32 scale,
-            dequantized inside paged attention; llama.cpp: its q8_0 K and V types (needs
-            `flash_attn`). "int4": llama.cpp's q4_0 K and V (3.6x a 16-bit cache).
+            times fp32's). Torch, MLX and CUDA: symmetric per (token, KV head) with an fp32
+            scale, dequantized inside paged attention; llama.cpp: its q8_0 K and V types
+            (needs `flash_attn`). "int4": llama.cpp's q4_0 K and V (3.6x a 16-bit cache).
         threads: CPU threads (None: all cores).
         verbose: let backends' own libraries log (llama.cpp prints to stderr).
         llamacpp_type: the weights llama.cpp runs (see LLAMACPP_TYPES).

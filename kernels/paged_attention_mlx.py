@@ -25,12 +25,30 @@ except ImportError:  # pragma: no cover - exercised where MLX is not installed
 SHORT_QUERIES = 16  # runs of at most this many queries share one padded attention call
 
 
+def quantize_rows(x):
+    """[..., D] -> [..., D + 4] int8: symmetric codes round(x / s), s = max|x| / 127 per row,
+    then s's fp32 bytes (the torch backend's int8 row layout, `kernels.paged_attention`)."""
+    x = x.astype(mx.float32)
+    scale = mx.max(mx.abs(x), axis=-1, keepdims=True) / 127.0
+    codes = mx.clip(mx.round(x / mx.where(scale > 0, scale, 1.0)), -127, 127).astype(mx.int8)
+    return mx.concatenate([codes, scale.view(mx.int8)], axis=-1)
+
+
+def dequantize_rows(rows, dtype):
+    """int8 rows [..., D + 4] -> [..., D] codes * scale in `dtype` (float rows: cast)."""
+    if rows.dtype != mx.int8:
+        return rows.astype(dtype)
+    scale = mx.contiguous(rows[..., -4:]).view(mx.float32)
+    return (rows[..., :-4].astype(mx.float32) * scale).astype(dtype)
+
+
 class MLXKVPool:
-    """K and V per layer, `[num_blocks, block_size, n_kv_heads, head_dim]` each."""
+    """K and V per layer, `[num_blocks, block_size, n_kv_heads, head_dim]` each (int8:
+    `head_dim + 4`, codes and the row's fp32 scale)."""
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
                  dtype) -> None:  # fmt: skip
-        shape = (num_blocks, block_size, n_kv, head_dim)
+        shape = (num_blocks, block_size, n_kv, head_dim + (4 if dtype == mx.int8 else 0))
         self.block_size, self.shape = block_size, shape
         self.k = [mx.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(n_layers)]
@@ -49,7 +67,7 @@ class MLXKVPool:
         n, bs = self.shape[0], self.block_size
         for pool, new in ((self.k, k), (self.v, v)):
             flat = pool[layer].reshape(n * bs, *self.shape[2:])
-            flat[slots] = new.astype(flat.dtype)
+            flat[slots] = quantize_rows(new) if flat.dtype == mx.int8 else new.astype(flat.dtype)
             pool[layer] = flat.reshape(self.shape)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -116,14 +134,16 @@ class StepAttention:
         """q [T, H, D] -> [T, H * D]: each row attends to its sequence's keys up to itself
         (with a window: the last `window` of them and the first `sinks`)."""
         t, h, d = q.shape
-        n_blocks, bs, n_kv = k_pool.shape[:3]
+        n_blocks, bs, n_kv, row = k_pool.shape
         outs = []
         for g in self.groups:
             qg = q[g.rows].reshape(g.n_seqs, g.qmax, h, d).transpose(0, 2, 1, 3)
             width = g.table.shape[1] * bs
-            k = k_pool[g.table].reshape(g.n_seqs, width, n_kv, d)[:, : g.ctx].transpose(0, 2, 1, 3)
-            v = v_pool[g.table].reshape(g.n_seqs, width, n_kv, d)[:, : g.ctx].transpose(0, 2, 1, 3)
-            o = mx.fast.scaled_dot_product_attention(qg, k.astype(q.dtype), v.astype(q.dtype),
+            k = k_pool[g.table].reshape(g.n_seqs, width, n_kv, row)[:, : g.ctx]
+            v = v_pool[g.table].reshape(g.n_seqs, width, n_kv, row)[:, : g.ctx]
+            k = dequantize_rows(k, q.dtype).transpose(0, 2, 1, 3)
+            v = dequantize_rows(v, q.dtype).transpose(0, 2, 1, 3)
+            o = mx.fast.scaled_dot_product_attention(qg, k, v,
                                                      scale=scale, mask=g.mask_for(window, sinks))  # fmt: skip
             o = o.transpose(0, 2, 1, 3).reshape(g.n_seqs * g.qmax, h * d)
             outs.append(o if g.keep is None else o[g.keep])

@@ -90,25 +90,38 @@ def _variants() -> list[tuple[str, object, dict, dict]]:
                 f"attention mixed {h}/{kvh}x{d} q<={max_q}", attn._mixed_kernel, kv,
                 {"H": h, "KVH": kvh, "G": g, "G_PAD": g_pad, "D": d,
                  "BLOCK_D": triton.next_power_of_2(d), "BLOCK_Q": block_q, "BLOCK_SIZE": 16,
-                 "TILE": attn.TILE_N},
+                 "TILE": attn.TILE_N, "Q8": False},
             ))  # fmt: skip
         out.append((
             f"attention split-KV decode {h}/{kvh}x{d}", attn._decode_kernel, kv,
             {"H": h, "KVH": kvh, "G": g, "ROWS": max(16, triton.next_power_of_2(g)), "D": d,
              "BLOCK_D": triton.next_power_of_2(d), "BLOCK_SIZE": 16, "TILE": attn.TILE_N,
-             "NUM_SPLITS": 16},
+             "NUM_SPLITS": 16, "Q8": False},
         ))  # fmt: skip
         out.append((
             f"attention reduce {h}x{d}", attn._reduce_kernel, kv,
             {"H": h, "D": d, "BLOCK_D": triton.next_power_of_2(d), "NUM_SPLITS": 16,
              "SPLITS_PAD": 16},
         ))  # fmt: skip
+    # int8 K/V (codes + fp32 scale per row), Llama-3-8B's heads
+    kv8 = {**kv, "KC": "*i8", "VC": "*i8"}
+    g_pad, block_q = attn.mixed_config(512, 4)
+    out.append((
+        "attention mixed 32/8x128 int8 K/V", attn._mixed_kernel, kv8,
+        {"H": 32, "KVH": 8, "G": 4, "G_PAD": g_pad, "D": 128, "BLOCK_D": 128,
+         "BLOCK_Q": block_q, "BLOCK_SIZE": 16, "TILE": attn.TILE_N, "Q8": True},
+    ))  # fmt: skip
+    out.append((
+        "attention split-KV decode 32/8x128 int8 K/V", attn._decode_kernel, kv8,
+        {"H": 32, "KVH": 8, "G": 4, "ROWS": 16, "D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16,
+         "TILE": attn.TILE_N, "NUM_SPLITS": 16, "Q8": True},
+    ))  # fmt: skip
     fp32 = {k: "*fp32" if v == "*bf16" else v for k, v in kv.items()}
     g_pad, block_q = attn.mixed_config(8, 3)
     out.append((
         "attention mixed 6/2x16 float32 (the tests' path)", attn._mixed_kernel, fp32,
         {"H": 6, "KVH": 2, "G": 3, "G_PAD": g_pad, "D": 16, "BLOCK_D": 16, "BLOCK_Q": block_q,
-         "BLOCK_SIZE": 4, "TILE": attn.TILE_N},
+         "BLOCK_SIZE": 4, "TILE": attn.TILE_N, "Q8": False},
     ))  # fmt: skip
     out += [
         ("rms_norm + residual 4096", fused._rms_norm_kernel,
@@ -118,7 +131,11 @@ def _variants() -> list[tuple[str, object, dict, dict]]:
         ("rope + cache write 32/8x128", fused._rope_cache_kernel,
          {"QKV": "*bf16", "POS": "*i64", "INV_FREQ": "*fp32", "Q_OUT": "*bf16", "KC": "*bf16",
           "VC": "*bf16", "SLOTS": "*i64"},
-         {"H": 32, "KVH": 8, "D": 128, "HALF": 64, "BLOCK_H": 64}),
+         {"H": 32, "KVH": 8, "D": 128, "HALF": 64, "BLOCK_H": 64, "Q8": False}),
+        ("rope + int8 cache write 32/8x128", fused._rope_cache_kernel,
+         {"QKV": "*bf16", "POS": "*i64", "INV_FREQ": "*fp32", "Q_OUT": "*bf16", "KC": "*i8",
+          "VC": "*i8", "SLOTS": "*i64"},
+         {"H": 32, "KVH": 8, "D": 128, "HALF": 64, "BLOCK_H": 64, "Q8": True}),
     ]  # fmt: skip
     return out
 

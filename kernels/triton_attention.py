@@ -35,14 +35,24 @@ NEG = tl.constexpr(-1.0e30)  # a finite "minus infinity": masked rows never prod
 
 @triton.jit
 def _load_kv_tile(CACHE, BT, b, keys, n_ctx, kvh, stride_bt, KVH: tl.constexpr, D: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """[TILE, BLOCK_D] rows of keys `keys` of sequence b (zeros past n_ctx)."""
+                  BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, Q8: tl.constexpr):  # fmt: skip
+    """[TILE, BLOCK_D] rows of keys `keys` of sequence b (zeros past n_ctx). Q8: int8 rows
+    of D codes and their fp32 scale (`kernels.paged_attention`), decoded to float32."""
     valid = keys < n_ctx
     block = tl.load(BT + b * stride_bt + keys // BLOCK_SIZE, mask=valid, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
     offs_d = tl.arange(0, BLOCK_D)
-    ptrs = CACHE + (slot[:, None] * KVH + kvh) * D + offs_d[None, :]
-    return tl.load(ptrs, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
+    if Q8:
+        row = (slot * KVH + kvh) * (D + 4)
+        codes = tl.load(CACHE + row[:, None] + offs_d[None, :],
+                        mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # fmt: skip
+        scale = tl.load((CACHE + row + D).to(tl.pointer_type(tl.float32), bitcast=True),
+                        mask=valid, other=0.0)  # fmt: skip
+        tile = codes.to(tl.float32) * scale[:, None]
+    else:
+        ptrs = CACHE + (slot[:, None] * KVH + kvh) * D + offs_d[None, :]
+        tile = tl.load(ptrs, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
+    return tile
 
 
 @triton.jit
@@ -55,7 +65,7 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale):
     alpha = tl.exp(m_i - m_new)
     p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
     l_new = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v).to(tl.float32)
+    acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype)).to(tl.float32)
     return m_new, l_new, acc
 
 
@@ -65,6 +75,7 @@ def _mixed_kernel(
     WINDOW, SINKS,
     H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    Q8: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -95,14 +106,14 @@ def _mixed_kernel(
     sink_end = tl.where(WINDOW > 0, tl.minimum(SINKS, lo_t), 0)
     for start in range(0, sink_end, TILE):
         keys = start + tl.arange(0, TILE)
-        k = _load_kv_tile(KC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
-        v = _load_kv_tile(VC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
+        k = _load_kv_tile(KC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D, Q8)
+        v = _load_kv_tile(VC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D, Q8)
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < sink_end) & row_ok[:, None]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
     for start in range(lo_t, last, TILE):
         keys = start + tl.arange(0, TILE)
-        k = _load_kv_tile(KC, BT, b, keys, last, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
-        v = _load_kv_tile(VC, BT, b, keys, last, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
+        k = _load_kv_tile(KC, BT, b, keys, last, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D, Q8)
+        v = _load_kv_tile(VC, BT, b, keys, last, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D, Q8)
         in_window = (
             (keys[None, :] > pos[:, None] - WINDOW) | (keys[None, :] < SINKS) | (WINDOW == 0)
         )
@@ -122,7 +133,7 @@ def _decode_kernel(
     Q, KC, VC, PART_O, PART_LSE, BT, CTX, scale, stride_qt, stride_qh, stride_bt, WINDOW, SINKS,
     H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, Q8: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -150,14 +161,14 @@ def _decode_kernel(
     acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
     for start in range(0, sink_end, TILE):
         keys = start + tl.arange(0, TILE)
-        k = _load_kv_tile(KC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
-        v = _load_kv_tile(VC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
+        k = _load_kv_tile(KC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D, Q8)
+        v = _load_kv_tile(VC, BT, b, keys, sink_end, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D, Q8)
         visible = (keys[None, :] < sink_end) & row_ok[:, None]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
     for start in range(lo, hi, TILE):
         keys = start + tl.arange(0, TILE)
-        k = _load_kv_tile(KC, BT, b, keys, hi, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
-        v = _load_kv_tile(VC, BT, b, keys, hi, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D)
+        k = _load_kv_tile(KC, BT, b, keys, hi, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D, Q8)
+        v = _load_kv_tile(VC, BT, b, keys, hi, kvh, stride_bt, KVH, D, BLOCK_SIZE, BLOCK_D, Q8)
         in_window = (keys[None, :] >= n_ctx - WINDOW) | (keys[None, :] < SINKS) | (WINDOW == 0)
         visible = (keys[None, :] < hi) & row_ok[:, None] & in_window
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale)
@@ -205,6 +216,8 @@ def kernel_takes(head_dim: int) -> bool:
 def _shape(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
     t, h, d = q.shape
     _, block_size, kvh, dk = k_cache.shape
+    if k_cache.dtype == torch.int8:  # int8 rows: D codes + the fp32 scale's 4 bytes
+        dk -= 4
     if dk != d or h % kvh:
         raise ValueError(f"queries [{t}, {h}, {d}] do not fit a cache of {kvh} heads x {dk}")
     return h, kvh, d, block_size, h // kvh
@@ -241,7 +254,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         window, sinks, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE=TILE_N,
+        BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE=TILE_N, Q8=k_cache.dtype == torch.int8,
     )  # fmt: skip
     return out
 
@@ -279,6 +292,7 @@ def paged_decode_triton(
         q.stride(0), q.stride(1), block_tables.stride(0), window, sinks,
         H=h, KVH=kvh, G=g, ROWS=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE=TILE_N, NUM_SPLITS=num_splits,
+        Q8=k_cache.dtype == torch.int8,
     )  # fmt: skip
     _reduce_kernel[(b, h)](
         part_o, part_lse, out, out.stride(0), out.stride(1),

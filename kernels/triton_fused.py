@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgellm.kernels.paged_attention import write_kv
+
 
 @triton.jit
 def dot(a, b):
@@ -98,10 +100,31 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _store_row(DST, i, x1, x2, mask, HALF: tl.constexpr, D: tl.constexpr, Q8: tl.constexpr):
+    """One cache row from its two halves: as is, or (Q8) symmetric int8 codes of the row's
+    max|x| / 127 followed by that scale's fp32 bytes (`kernels.paged_attention.quantize_kv`;
+    rounding half away from zero where torch rounds half to even: ties only)."""
+    if Q8:
+        a = tl.maximum(tl.max(tl.where(mask, tl.abs(x1), 0.0), 0),
+                       tl.max(tl.where(mask, tl.abs(x2), 0.0), 0))  # fmt: skip
+        scale = a / 127.0
+        div = tl.where(scale > 0, scale, 1.0)
+        y1, y2 = x1 / div, x2 / div
+        c1 = tl.where(y1 >= 0, tl.floor(y1 + 0.5), -tl.floor(-y1 + 0.5))
+        c2 = tl.where(y2 >= 0, tl.floor(y2 + 0.5), -tl.floor(-y2 + 0.5))
+        tl.store(DST + i, tl.minimum(tl.maximum(c1, -127.0), 127.0).to(tl.int8), mask=mask)
+        tl.store(DST + HALF + i, tl.minimum(tl.maximum(c2, -127.0), 127.0).to(tl.int8), mask=mask)
+        tl.store((DST + D).to(tl.pointer_type(tl.float32), bitcast=True), scale)
+    else:
+        tl.store(DST + i, x1.to(DST.dtype.element_ty), mask=mask)
+        tl.store(DST + HALF + i, x2.to(DST.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_cache_kernel(
     QKV, POS, INV_FREQ, Q_OUT, KC, VC, SLOTS, stride_t, stride_qt,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, Q8: tl.constexpr = False,
 ):  # fmt: skip
     t = tl.program_id(0)
     head = tl.program_id(1)  # [0, H): q heads; [H, H + KVH): k heads; then v heads
@@ -123,15 +146,13 @@ def _rope_cache_kernel(
             tl.store(dst + i, o1.to(Q_OUT.dtype.element_ty), mask=mask)
             tl.store(dst + HALF + i, o2.to(Q_OUT.dtype.element_ty), mask=mask)
         elif slot >= 0:
-            dst = KC + (slot * KVH + head - H) * D
-            tl.store(dst + i, o1.to(KC.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF + i, o2.to(KC.dtype.element_ty), mask=mask)
+            row = D + 4 if Q8 else D
+            _store_row(KC + (slot * KVH + head - H) * row, i, o1, o2, mask, HALF, D, Q8)
     elif slot >= 0:
-        dst = VC + (slot * KVH + head - H - KVH) * D
-        v1 = tl.load(base + i, mask=mask, other=0.0)
-        v2 = tl.load(base + HALF + i, mask=mask, other=0.0)
-        tl.store(dst + i, v1.to(VC.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF + i, v2.to(VC.dtype.element_ty), mask=mask)
+        row = D + 4 if Q8 else D
+        v1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(base + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        _store_row(VC + (slot * KVH + head - H - KVH) * row, i, v1, v2, mask, HALF, D, Q8)
 
 
 def rope_and_cache(
@@ -144,11 +165,12 @@ def rope_and_cache(
     n_heads: int,
 ) -> torch.Tensor:  # rotated q [T, H, D]
     t = qkv.shape[0]
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    q8 = k_cache.dtype == torch.int8  # rows of D codes + a 4-byte scale
+    kvh, d = k_cache.shape[2], k_cache.shape[3] - (4 if q8 else 0)
     q = torch.empty((t, n_heads, d), device=qkv.device, dtype=qkv.dtype)
     _rope_cache_kernel[(t, n_heads + 2 * kvh)](
         qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0),
-        H=n_heads, KVH=kvh, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2),
+        H=n_heads, KVH=kvh, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), Q8=q8,
     )  # fmt: skip
     return q
 
@@ -156,7 +178,7 @@ def rope_and_cache(
 def rope_and_cache_ref(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, n_heads):
     """The twin: models.llama's rotation and kernels.paged_attention.write_kv."""
     t = qkv.shape[0]
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    kvh, d = k_cache.shape[2], k_cache.shape[3] - (4 if k_cache.dtype == torch.int8 else 0)
     q, k, v = qkv.view(t, -1, d).split([n_heads, kvh, kvh], dim=1)
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
@@ -168,7 +190,5 @@ def rope_and_cache_ref(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping,
 
     q, k = rot(q), rot(k)
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    write_kv(k_cache, v_cache, k[keep], v[keep], slot_mapping[keep].long())
     return q

@@ -145,14 +145,14 @@ def test_speculative_rollback_equals_plain_decoding():
 def test_bad_kv_options_are_clear_errors():
     with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8")
-    from edgellm.backends.base import refuse_quantized_kv
-
-    with pytest.raises(InvalidParameterError, match="not available on the mlx backend"):
-        refuse_quantized_kv(EngineConfig(**INT8), "mlx")
-    refuse_quantized_kv(EngineConfig(), "mlx")  # the float cache is fine everywhere
     hf, config = tiny_hf_model()
     with pytest.raises(InvalidParameterError, match="llamacpp backend only"):
         TorchBackend(ours_from_hf(hf, config), EngineConfig(kv_cache_dtype="int4"))
+    pytest.importorskip("mlx.core")
+    from edgellm.backends.mlx import MLXBackend
+
+    with pytest.raises(InvalidParameterError, match="mlx backend takes auto or int8"):
+        MLXBackend.from_torch(ours_from_hf(hf, config), EngineConfig(kv_cache_dtype="int4"))
 
 
 # ---- the real model -------------------------------------------------------------------------
@@ -242,3 +242,31 @@ def test_llamacpp_q4_0_kv_equals_llama_with_the_same_cache(smollm2_path):
         params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         assert ours["int4"].generate([ids], params)[0].outputs[0].token_ids == want, p
     ref.close()
+
+
+def test_mlx_int8_cache_equals_torch_int8():
+    """The MLX backend stores the same int8 rows (codes + fp32 scale): its pool holds as many
+    tokens as torch's, and its greedy tokens equal torch's int8 run up to a late near-tie;
+    batched equals alone, no block left."""
+    pytest.importorskip("mlx.core")
+    from edgellm.backends.mlx import MLXBackend
+    from edgellm.engine.engine import Engine
+    from tests.conftest import byte_tokenizer
+
+    hf, config = tiny_hf_model()
+    model = ours_from_hf(hf, config)
+    cfg = EngineConfig(kv_cache_mb=1.0, block_size=4, dtype="float32", **INT8)
+    ref = Engine(TorchBackend(model, cfg), byte_tokenizer(), cfg)
+    backend = MLXBackend.from_torch(model, cfg)
+    backend.run_ahead = False
+    ours = Engine(backend, byte_tokenizer(), cfg)
+    assert ours.block_manager.num_blocks == ref.block_manager.num_blocks
+    assert backend.kv.k[0].dtype.size == 1 and backend.kv.shape[-1] == config["hidden_size"] // 4 + 4
+    ps = prompts(4, seed=3)
+    want = tokens(run_all(ref, ps, GREEDY))
+    got = tokens(run_all(ours, ps, GREEDY))
+    for g, w in zip(got, want, strict=True):
+        parted = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
+        assert parted is None or parted > 8, (g, w)
+    assert tokens(run_all(ours, ps[:1], GREEDY)) == got[:1]
+    assert ours.block_manager.num_free == ours.block_manager.num_blocks
