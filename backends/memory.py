@@ -6,7 +6,8 @@
 - weights: what the backend keeps. torch: every tensor in the compute dtype, packed INT
   codes as stored, plus the source files' pages (mapped, read once while building);
   llama.cpp: the GGUF file it runs (mapped: its pages count once read), or the size its
-  export will have;
+  export will have, plus the copies its CPU backend makes of the 4-bit matmul weights it
+  repacks into interleaved blocks (Q4_0, Q4_K, IQ4_NL on AVX2 / Arm dot-product CPUs);
 - working: one step's activations and logits, the backend's own buffers (llama.cpp: its
   output buffer for every sequence id and its compute buffer for a micro-batch), and a
   runtime allowance measured on SmolLM2 (tokenizer, model metadata, allocator slack);
@@ -25,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
 import torch
 
 from edgellm.backends.base import kv_bytes_per_token
@@ -138,7 +140,9 @@ def plan_memory(
         working = act + 3 * rows * args.vocab_size * 4  # logits, probabilities, sampler copy
         slack_tokens = 0
     else:
-        weights = gguf_bytes(loaded, config.llamacpp_type)
+        # the GGUF (mapped: its pages count once read) + the copies llama.cpp's CPU backend
+        # makes of the tensors it repacks into interleaved blocks (its CPU_REPACK buffer)
+        weights = sum(gguf_bytes(loaded, config.llamacpp_type))
         storages = {"auto": ("f16", torch.float16)}
         if config.flash_attn and args.head_dim % 32 == 0:
             storages["int8"] = ("q8_0", "q8_0")
@@ -211,13 +215,48 @@ def source_bytes(loaded: LoadedModel) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def gguf_bytes(loaded: LoadedModel, llamacpp_type: str) -> int:
-    """Bytes of the GGUF llama.cpp runs for `loaded`: the file where it exists, else what its
-    export will hold (its tensors' planned sizes), without writing it."""
+# GGML types llama.cpp's CPU backend repacks (ggml-cpu/repack.cpp: 4-bit blocks interleaved
+# 4x4/4x8/8x8 for AVX2 and Arm dot products) into a second buffer, keeping the file mapped;
+# 2-D matmul weights only (not the embeddings, read by row), rows a multiple of 8
+REPACKED_TYPES = ("Q4_0", "Q4_K", "IQ4_NL")
+
+
+def cpu_repacks() -> bool:
+    """Whether this CPU takes llama.cpp's repacked kernels (x86 AVX2, Arm dot products)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags or "asimddp" in flags
+
+
+def _repacked(name: str, shape: tuple[int, ...], qtype: str) -> bool:
+    return (
+        qtype in REPACKED_TYPES and name.startswith("blk.") and len(shape) == 2
+        and shape[0] % 8 == 0
+    )  # fmt: skip
+
+
+def gguf_bytes(loaded: LoadedModel, llamacpp_type: str) -> tuple[int, int]:
+    """(bytes of the GGUF llama.cpp runs for `loaded`, bytes of its tensors llama.cpp repacks
+    on this CPU): the file where it exists, else what its export will hold (its tensors'
+    planned sizes), without writing it."""
     kind = llamacpp_type
     if kind == "auto":
         kind = packaged_llamacpp_type(loaded.path) or "file"
+    repacks = cpu_repacks()
     if kind == "file" and loaded.format == "gguf":
-        return Path(loaded.path).stat().st_size
+        reader = gguf.GGUFReader(str(loaded.path))
+        repacked = sum(
+            int(t.n_bytes) for t in reader.tensors
+            if repacks and _repacked(t.name, tuple(int(x) for x in t.shape[::-1]), t.tensor_type.name)
+        )  # fmt: skip
+        return Path(loaded.path).stat().st_size, repacked
     out = "auto" if kind == "file" else kind
-    return sum(p.nbytes for p in GGUFExport(loaded, out).plan())
+    plans = GGUFExport(loaded, out).plan()
+    repacked = sum(
+        p.nbytes for p in plans
+        if repacks and _repacked(p.name, p.shape, gguf.GGMLQuantizationType(p.qtype).name)
+    )  # fmt: skip
+    return sum(p.nbytes for p in plans), repacked

@@ -49,6 +49,35 @@ def test_plans_add_up_within_the_budget(smol, backend):
     )
 
 
+def test_llamacpp_weights_count_the_repacked_copies(smol, tmp_path):
+    """llama.cpp's CPU backend copies 4-bit blocks (Q4_0, Q4_K, IQ4_NL) of the matmul weights
+    into an interleaved buffer while the file stays mapped: an INT4 model's run holds both
+    (measured on Qwen2.5-Coder-1.5B Q4_K_M: CPU_REPACK 596.5 MiB = its blk Q4_K tensors); the
+    q8_0 SmolLM2 run only its file."""
+    from edgellm.backends.memory import cpu_repacks, gguf_bytes
+    from edgellm.loaders.model import load_model
+    from edgellm.quantize import QuantizeOptions, quantize
+    from edgellm.quantize.export_gguf import GGUFExport
+    from tests.conftest import byte_tokenizer, tiny_hf_model
+
+    hf, _ = tiny_hf_model("llama")
+    hf.save_pretrained(tmp_path / "src")
+    byte_tokenizer(eos_id=0).save_pretrained(tmp_path / "src")
+    opts = QuantizeOptions(method="rtn", group_size=32, symmetric=True, calib="shakespeare",
+                           n_samples=4, seq_len=64)
+    quantize(str(tmp_path / "src"), str(tmp_path / "q"), opts, progress=False)
+    loaded = load_model(str(tmp_path / "q"))
+    total, repacked = gguf_bytes(loaded, "auto")
+    plans = GGUFExport(loaded, "auto").plan()
+    blk = sum(p.nbytes for p in plans if p.name.startswith("blk.") and len(p.shape) == 2
+              and p.qtype.name == "Q4_0")  # fmt: skip
+    assert total == sum(p.nbytes for p in plans) and blk > 0
+    assert repacked == (blk if cpu_repacks() else 0)
+    assert gguf_bytes(smol, "auto")[1] == 0  # q8_0: nothing repacked
+    plan = plan_memory(loaded, EngineConfig(), "llamacpp", 2**30, base=0)
+    assert plan.weights == total + repacked
+
+
 def test_int8_is_chosen_only_when_a_float_pool_misses_one_context(smol):
     roomy = plan_memory(smol, EngineConfig(), "torch", 3 * 2**30, base=400 * MB)
     assert roomy.kv_dtype == "auto" and roomy.options["auto"][2] >= 8192
