@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,8 +33,9 @@ from edgellm.fsutil import atomic_path
 from edgellm.models.llama import ModelArgs
 from edgellm.quantize.format import FORMAT, QuantConfig, pack_int32
 from edgellm.quantize.rtn import QuantizedWeight
+from edgellm.quantize.vllm_kernels import VllmKernelWarning, describe_fit, vllm_warning
 
-SHARD_BYTES = 2 * 2**30
+SHARD_BYTES = 512 * 2**20  # a shard's tensors wait in memory until it is written: this bounds them
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PROVENANCE_KEY = "edgellm"  # our record inside quantization_config; other readers ignore it
@@ -128,10 +130,14 @@ class CheckpointWriter:
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InvalidParameterError(f"checkpoint dtype must be a float dtype, got {dtype}")
         self.args, self.tokenizer, self.qconfig = args, tokenizer, qconfig
-        self.provenance, self.dtype, self.shard_bytes = provenance or {}, dtype, shard_bytes
+        self.dtype, self.shard_bytes = dtype, shard_bytes
+        # where vLLM will serve it from: said before the work, recorded in the checkpoint
+        self.provenance = {**(provenance or {}), "vllm_gpu_kernels": describe_fit(args, qconfig)}
         self.generation_config = generation_config
         self._atomic = atomic_path(out_dir, force, is_dir=True)
         self.dir = self._atomic.__enter__()  # the temporary directory
+        if (why := vllm_warning(args, qconfig)) is not None:
+            warnings.warn(why, VllmKernelWarning, stacklevel=2)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []  # tensor names per written shard

@@ -39,6 +39,7 @@ from edgellm.registry import cache_dir, resolve_model
 Q = gguf.GGMLQuantizationType
 EXPORT_TYPES = ("auto", "q4_0", "q4_1", "q8_0", "f16")
 EXPORT_VERSION = "1"  # bump when the writer's output changes: invalidates cached exports
+DENSE_TYPES = ("auto", "f16", "q8_0")
 BLOCK = 32  # Q4_0, Q4_1 and Q8_0 all use blocks of 32 weights
 
 FILE_TYPES = {
@@ -142,14 +143,19 @@ def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 class GGUFExport:
     """Plans and writes the tensors of one loaded model (`edgellm.loaders.model.LoadedModel`)."""
 
-    def __init__(self, loaded, out_type: str = "auto"):
+    def __init__(self, loaded, out_type: str = "auto", dense_type: str = "auto"):
 
         if out_type not in EXPORT_TYPES:
             raise InvalidParameterError(
                 f"unknown GGUF type {out_type!r} (choose from {', '.join(EXPORT_TYPES)})"
             )
+        if dense_type not in DENSE_TYPES:
+            raise InvalidParameterError(
+                f"unknown dense type {dense_type!r} (choose from {', '.join(DENSE_TYPES)})"
+            )
         args = loaded.args
         self.loaded, self.args, self.out_type = loaded, args, out_type
+        self.dense_type = dense_type
         self.arch, self._permuted = gguf_architecture(args.model_type)
         self.qconfig = read_quant_config(loaded.config or {})
         self.src = loaded.weights
@@ -253,8 +259,10 @@ class GGUFExport:
             ok = self.linear_type != Q.Q8_0 or shape[-1] % BLOCK == 0
             return self.linear_type if ok else Q.F16
         # a quantized checkpoint's dense matrices (embeddings, lm_head) keep their dtype
-        # (f16 when asked), so the export changes no weight
-        if self.out_type == "f16":
+        # (f16 when asked), so the export changes no weight, unless Q8_0 is asked for them
+        if self.dense_type == "q8_0" and shape[-1] % BLOCK == 0:
+            return Q.Q8_0
+        if self.out_type == "f16" or self.dense_type == "f16":
             return Q.F16
         return _FLOAT_TYPES.get(_torch_dtype(info.dtype), Q.F16)
 
@@ -345,13 +353,17 @@ def export_gguf(
     out_type: str = "auto",
     force: bool = False,
     progress: bool = False,
+    dense_type: str = "auto",
 ) -> Path:
-    """Write MODEL (an edgellm INT4 checkpoint, an HF directory or a GGUF) as one GGUF file."""
+    """Write MODEL (an edgellm INT4 checkpoint, an HF directory or a GGUF) as one GGUF file.
+    `dense_type` is the type of an INT checkpoint's dense matrices (embeddings, LM head):
+    auto (as stored), f16, or q8_0 (lossy, 8.5 bits per weight: about half the bytes of
+    bf16 to hold and to read per token)."""
 
     out = Path(out)
     check_output(out, force, source=resolve_model(model))
     loaded = load_model(model)
-    exp = GGUFExport(loaded, out_type)
+    exp = GGUFExport(loaded, out_type, dense_type)
     plans = exp.plan()
     with atomic_path(out, force=force) as tmp:
         w = gguf.GGUFWriter(str(tmp), exp.arch)

@@ -51,7 +51,7 @@ class HessianAccumulator:
         if m == 0:
             return
         # running mean keeps H at the scale of one sample whatever n is
-        self._h.mul_(n / (n + m)).add_(x.T @ x, alpha=2 / (n + m))
+        self._h.addmm_(x.T, x, beta=n / (n + m), alpha=2 / (n + m))  # no [in, in] temporary
         self.n_samples = n + m
 
     @property

@@ -29,6 +29,12 @@ def load_layer(args: ModelArgs, source: WeightSource, i: int) -> nn.Module:
     return layer.eval()
 
 
+def release(source: WeightSource) -> None:
+    """Let the source drop the file pages it has mapped so far (GGUF), where it can."""
+    if (fn := getattr(source, "release", None)) is not None:
+        fn()
+
+
 def embed(source: WeightSource, tokens: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n, L, D]
     return source.get("model.embed_tokens.weight").float()[tokens]
 
@@ -64,11 +70,11 @@ class LayerRunner:
 
     @torch.inference_mode()
     def staged(
-        self, layer: nn.Module, hidden: torch.Tensor, n_stages: int, on_stage
+        self, layer: nn.Module, hidden: torch.Tensor, n_stages: int, on_stage, gather: bool = True
     ) -> torch.Tensor:
         """Run `layer.forward_stages` over all chunks, calling on_stage(i, inputs [tokens, in])
         once every chunk has reached stage i, so stage i's weights can change before the rest
-        of the layer runs. Returns the layer output [N, L, D]."""
+        of the layer runs (`gather=False`: a list of the chunks' inputs instead). Returns the layer output [N, L, D]."""
         gens, shapes = [], []
         for _, x in self.chunks(hidden):
             n = x.shape[0]
@@ -81,7 +87,11 @@ class LayerRunner:
             )
             shapes.append(x.shape)
         for i in range(n_stages):
-            on_stage(i, torch.cat([next(g) for g in gens]))
+            parts = [next(g) for g in gens]
+            # gather=False: the chunks' inputs as a list, never one [tokens, in] copy (GPTQ's
+            # widest stage, 16k tokens x 8960 MLP channels, would be 587 MB more)
+            on_stage(i, torch.cat(parts) if gather else parts)
+            del parts
         return torch.cat([_finish(g).view(shape) for g, shape in zip(gens, shapes, strict=True)])
 
     def chunks(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:

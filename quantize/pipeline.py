@@ -34,9 +34,16 @@ from edgellm.loaders.model import load_model
 from edgellm.models import get_model_module
 from edgellm.quantize.awq import awq_quantize_layer
 from edgellm.quantize.calibration import calibration_tokens
-from edgellm.quantize.checkpoint import CheckpointWriter
+from edgellm.quantize.checkpoint import SHARD_BYTES, CheckpointWriter
 from edgellm.quantize.gptq import HessianAccumulator, gptq_quantize
-from edgellm.quantize.layerwise import LayerRunner, capture_inputs, embed, load_layer, set_weight
+from edgellm.quantize.layerwise import (
+    LayerRunner,
+    capture_inputs,
+    embed,
+    load_layer,
+    release,
+    set_weight,
+)
 from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, quantize_rtn
 from edgellm.registry import resolve_model
 from edgellm.version import __version__
@@ -88,12 +95,87 @@ class QuantizeReport:
     layer_errors: list[dict] = field(default_factory=list)  # per layer: name -> weight MSE
     ppl_before: float | None = None
     ppl_after: float | None = None
+    planned_mb: float = 0.0  # memory_estimate's total
 
 
 def check_shapes(args, qconfig: QuantConfig) -> None:
     """Fail before any work when the group size does not divide a layer's inputs."""
     for n in {args.hidden_size, args.intermediate_size, args.num_attention_heads * args.head_dim}:
         qconfig.for_features(n)
+
+
+MB = 2**20
+# the interpreter, torch, the tokenizer and the loaded model's metadata, before any weight:
+# measured as RTN's peak on a tiny model minus its weights (about 420 MiB here)
+BASE_BYTES = 450 * MB
+
+
+def memory_estimate(args, opts: QuantizeOptions) -> dict[str, int]:
+    """The bytes `quantize` will hold at its peak, by part, before it reads a weight. Two
+    phases never overlap: the embedding table (float32 while the calibration text is
+    embedded, and again with its 16-bit copy when it is written) and the layers: one float32
+    decoder layer with the dequantized copy the method writes back, the calibration hidden
+    states in and out, and what the method keeps (AWQ: the sampled inputs of every linear
+    and one chunk's MLP activations; GPTQ: the widest stage's inputs over every chunk, the
+    float64 Hessian, its float32 factors). Both sit on the base (interpreter, torch,
+    tokenizer) and the checkpoint shard waiting to be written."""
+
+    d, inter = args.hidden_size, args.intermediate_size
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    layer = d * (q + 2 * kv) + q * d + 3 * d * inter
+    est = {
+        "base": BASE_BYTES,
+        "shard": min(SHARD_BYTES, 2 * (args.vocab_size * d + args.num_hidden_layers * layer)),
+        "embedding": 3 * args.vocab_size * d * 2,  # float32 + its 16-bit copy
+        "one layer": 2 * layer * 4,
+    }
+    if opts.needs_calibration:
+        tokens = opts.n_samples * opts.seq_len
+        widest = max(d, q, inter)
+        est["activations"] = 2 * tokens * d * 4
+        if opts.method == "awq":
+            chunk = min(opts.n_samples, 8) * opts.seq_len  # LayerRunner's chunk of sequences
+            kept = min(opts.awq_tokens, tokens) * (5 * d + q + inter)  # q/k/v, o, gate/up, down
+            est["method"] = 4 * kept + 3 * chunk * inter * 4
+        else:
+            est["method"] = tokens * widest * 4 + widest * widest * (8 + 3 * 4) + 2048 * widest * 8
+    layers = sum(v for k, v in est.items() if k in ("one layer", "activations", "method"))
+    est["total"] = est["base"] + est["shard"] + max(est["embedding"], layers)
+    return est
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(args, opts: QuantizeOptions, budget: int | None, model: str) -> dict[str, int]:
+    """Refuse, before any work, a quantization whose estimate exceeds the budget (default:
+    the memory this machine has available), with the numbers."""
+
+    est = memory_estimate(args, opts)
+    limit, what = (
+        (budget, "the memory budget") if budget else (available_memory(), "available memory")
+    )
+    if limit is not None and est["total"] > limit:
+        parts = ", ".join(f"{k} {v / MB:,.0f}" for k, v in est.items() if k != "total")
+        parts += "; the embedding and the layers are never held at once"
+        hint = (
+            " (fewer --samples or a shorter --seq-len shrink the calibration part)"
+            if (opts.needs_calibration)
+            else ""
+        )
+        raise InvalidParameterError(
+            f"quantizing {model} ({opts.method}) needs about {est['total'] / MB:,.0f} MiB "
+            f"({parts} MiB), over {what} of {limit / MB:,.0f} MiB{hint}"
+        )
+    return est
 
 
 def peak_rss_mb() -> float:
@@ -151,17 +233,18 @@ def _gptq(layer, runner, hidden, opts, stages) -> tuple[dict[str, QuantizedWeigh
 
     out: dict[str, QuantizedWeight] = {}
 
-    def on_stage(i: int, x: torch.Tensor) -> None:
-        acc = HessianAccumulator(x.shape[-1])  # the stage's linears share their input
-        for part in x.split(8192):
-            acc.add(part)
+    def on_stage(i: int, chunks: list[torch.Tensor]) -> None:
+        acc = HessianAccumulator(chunks[0].shape[-1])  # the stage's linears share their input
+        for x in chunks:
+            for part in x.split(2048):  # float64 copies of 2048 rows, not of every token
+                acc.add(part)
         for n in stages[i]:
             w = layer.get_submodule(n).weight.data
             cfg = opts.qconfig.for_features(w.shape[1])
             out[n] = gptq_quantize(w, acc.hessian, cfg, damp=opts.damp, act_order=opts.act_order)
             set_weight(layer, n, out[n].dequantize())
 
-    hidden = runner.staged(layer, hidden, len(stages), on_stage)
+    hidden = runner.staged(layer, hidden, len(stages), on_stage, gather=False)
     return out, hidden
 
 
@@ -174,12 +257,14 @@ def quantize(
     eval_tokens: int = 16384,
     progress: bool = True,
     measure_ppl: Callable[[str, str, int], float] | None = None,
+    memory_budget: int | None = None,
 ) -> QuantizeReport:
     """Quantize `model` (GGUF file, HF directory, short name) into a checkpoint at `out_dir`.
 
     With `eval_text`, `measure_ppl(model, text, n_tokens)` scores the source and the
     checkpoint and the result is recorded in its config (the caller runs the models:
-    quantization sits below the engine)."""
+    quantization sits below the engine). A quantization whose memory estimate exceeds
+    `memory_budget` (bytes; default: the memory available) is refused before any work."""
 
     opts = options or QuantizeOptions()
     t0 = time.perf_counter()
@@ -187,6 +272,7 @@ def quantize(
     loaded = load_model(model)
     args = loaded.args
     check_shapes(args, opts.qconfig)
+    est = check_memory(args, opts, memory_budget, str(model or loaded.path))
     stages = _stages(args)
     hidden = runner = None
     if opts.needs_calibration:
@@ -199,8 +285,10 @@ def quantize(
             opts.chat_template,
         )
         hidden = embed(loaded.weights, torch.tensor(toks))  # [n, L, D]
+        release(loaded.weights)
         runner = LayerRunner(args, opts.seq_len)
     report = QuantizeReport(out_dir, asdict(opts), 0.0, 0.0, 0, 0, 0.0)
+    report.planned_mb = est["total"] / MB
     with (
         CheckpointWriter(
             out_dir, args, loaded.tokenizer, opts.qconfig, _provenance(loaded, opts), force=force
@@ -212,6 +300,7 @@ def quantize(
             qws, hidden = quantize_layer(layer, runner, hidden, opts, args.model_type, stages)
             _write_layer(writer, layer, qws, i, report)
             del layer
+            release(loaded.weights)
             advance()
         for name in _dense_names(loaded):
             writer.add_dense(name, loaded.weights.get(name))
@@ -345,7 +434,7 @@ def print_report(r: QuantizeReport) -> None:
         f"({r.bits_per_weight:.2f} bits/weight)",
     )
     t.add_row("time", f"{r.seconds:.1f} s")
-    t.add_row("peak memory", f"{r.peak_rss_mb:.0f} MiB resident")
+    t.add_row("peak memory", f"{r.peak_rss_mb:.0f} MiB resident (planned {r.planned_mb:.0f} MiB)")
     if r.ppl_before is not None:
         t.add_row("perplexity", f"{r.ppl_before:.3f} -> {r.ppl_after:.3f}")
     Console().print(t)

@@ -193,3 +193,28 @@ def test_cli_export_and_cached_llamacpp_run(exported, tmp_path, monkeypatch, cap
     want = LLM(str(path), **kw).generate([ids], params)[0].outputs[0].token_ids
     assert first.generate([ids], params)[0].outputs[0].token_ids == want
     assert again.generate([ids], params)[0].outputs[0].token_ids == want
+
+
+def test_dense_type_q8_0_quantizes_only_embeddings_and_head(tmp_path):
+    """`--dense-type q8_0`: the INT4 blocks stay exact, the embedding table becomes Q8_0
+    (within a step of each block's scale); an unknown type is refused."""
+    qconfig = QuantConfig(4, 32, True)
+    hf, cfg, qws = quantize_tiny("llama", qconfig)
+    write_checkpoint(tmp_path / "ckpt", hf, cfg, qws, qconfig, tokenizer=bpe_tokenizer())
+    plain = load_model(export_gguf(tmp_path / "ckpt", tmp_path / "plain.gguf"))
+    small = load_model(export_gguf(tmp_path / "ckpt", tmp_path / "q8.gguf", dense_type="q8_0"))
+    types = {t.name: t.tensor_type for t in small.weights.reader.tensors}
+    assert types["token_embd.weight"] == Q.Q8_0 and types["output.weight"] == Q.Q8_0
+    assert types["blk.0.attn_q.weight"] == Q.Q4_0 and types["output_norm.weight"] == Q.F32
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert torch.equal(small.weights.get(name), plain.weights.get(name))
+    want, got = (
+        plain.weights.get("model.embed_tokens.weight"),
+        small.weights.get("model.embed_tokens.weight"),
+    )
+    step = want.abs().reshape(-1, 32).amax(1, keepdim=True) / 127
+    assert ((got - want).reshape(-1, 32).abs() <= step).all()  # half a step, + fp16 scales
+    assert (tmp_path / "q8.gguf").stat().st_size < (tmp_path / "plain.gguf").stat().st_size
+    with pytest.raises(InvalidParameterError, match="unknown dense type"):
+        export_gguf(tmp_path / "ckpt", tmp_path / "x.gguf", dense_type="q4_k")
+    assert not (tmp_path / "x.gguf").exists()

@@ -160,3 +160,57 @@ def test_smollm2_checkpoint_loads_in_transformers_with_identical_logits(tmp_path
     question = [{"role": "user", "content": "What is the capital of France?"}]
     answer = llm.chat(question, SamplingParams(temperature=0, max_tokens=16))[0].text
     assert "Paris" in answer
+
+
+def test_a_quantization_over_the_memory_budget_is_refused_before_work(tiny_dir, tmp_path):
+    from edgellm.quantize.pipeline import MB, memory_estimate
+
+    out = tmp_path / "q"
+    opts = QuantizeOptions(method="gptq", **FAST)
+    with pytest.raises(InvalidParameterError) as e:
+        quantize(str(tiny_dir), str(out), opts, progress=False, memory_budget=300 * MB)
+    msg = str(e.value)
+    assert (
+        "needs about" in msg and "over the memory budget of 300 MiB" in msg and "--samples" in msg
+    )
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing started
+    # the estimate grows with what the method keeps: GPTQ's Hessian of the widest input
+    from edgellm.models.llama import ModelArgs
+
+    qwen = ModelArgs("qwen2", 1536, 8960, 28, 12, 2, 151936, qkv_bias=True)
+    rtn, gptq = (memory_estimate(qwen, QuantizeOptions(method=m)) for m in ("rtn", "gptq"))
+    assert "method" not in rtn and gptq["method"] >= 4 * 8960 * 8960 * 4
+    assert rtn["embedding"] == 6 * 151936 * 1536 and gptq["total"] > rtn["total"]
+
+
+def test_cli_memory_budget_refusal_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    from tests.test_cli import assert_one_line_error, run_cli
+
+    code, _, err = run_cli(
+        ["quantize", str(tiny_dir), "-o", str(tmp_path / "q"), "--method", "awq",
+         "--memory-budget", "200MB"],
+        capsys, monkeypatch,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "over the memory budget of 200 MiB")
+
+
+@pytest.mark.slow
+def test_gguf_source_releases_the_pages_it_read(smollm2_path):
+    """Layer-by-layer reading stays bounded: the file pages read so far leave this process's
+    resident set when the quantizer releases them (they stay in the page cache)."""
+    from edgellm.loaders.model import load_model
+
+    def rss_file() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no RssFile")
+
+    src = load_model(smollm2_path).weights
+    before = rss_file()
+    read = sum(src.get(n).numel() for n in src.names() if n.startswith("model.layers."))
+    grown = rss_file() - before
+    assert grown > 40 * 2**20, grown  # Q4_1 pages of every layer (~60 MiB) were mapped
+    src.release()
+    assert rss_file() - before < grown / 4
+    assert read and torch.isfinite(src.get("model.layers.0.mlp.up_proj.weight")).all()

@@ -5,6 +5,7 @@ default to None, meaning EngineConfig's own default."""
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -460,6 +461,14 @@ def quantize(
     eval_: Annotated[
         bool, typer.Option("--eval", help="perplexity before/after on held-out sotu")
     ] = False,
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--memory-budget",
+            help="e.g. 4GB: refuse before starting when the estimate exceeds it "
+            "(default: the memory available)",
+        ),
+    ] = None,
     force: ForceOpt = False,
 ):
     """Quantize to INT4 (or 2-8 bits) into a compressed-tensors checkpoint, layer by layer."""
@@ -469,8 +478,9 @@ def quantize(
         method, bits, group_size, sym, calib, samples, seq_len, seed, chat_template, act_order
     )
     report = run_quantize(
-        model, out, opts, force=force, eval_text="sotu" if eval_ else None, measure_ppl=measure_ppl
-    )
+        model, out, opts, force=force, eval_text="sotu" if eval_ else None,
+        measure_ppl=measure_ppl, memory_budget=parse_size(memory_budget) if memory_budget else None,
+    )  # fmt: skip
     print_report(report)
 
 
@@ -575,12 +585,19 @@ def export_gguf(
             help="auto (INT4 -> Q4_0/Q4_1 exactly, float -> F16) | q4_0 | q4_1 | q8_0 | f16",
         ),
     ] = "auto",
+    dense_type: Annotated[
+        str,
+        typer.Option(
+            help="an INT checkpoint's embeddings and LM head: auto (as stored) | f16 | "
+            "q8_0 (lossy: half the bytes of bf16)"
+        ),
+    ] = "auto",
     force: ForceOpt = False,
 ):
     """Write one GGUF file llama.cpp runs; INT4 groups become Q4_0/Q4_1 blocks unchanged."""
     if not out:
         raise InvalidParameterError("--out/-o is required")
-    path = write_gguf(model, out, type_, force=force, progress=True)
+    path = write_gguf(model, out, type_, force=force, progress=True, dense_type=dense_type)
     typer.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
@@ -612,8 +629,13 @@ def export_mlx(
     typer.echo(f"wrote {path} ({size:.1f} MiB): {describe_export(weights)}")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=file or sys.stderr)
+
+
 def main() -> None:
-    """Entry point: user errors are one line on stderr, never a traceback."""
+    """Entry point: user errors are one line on stderr, never a traceback; warnings too."""
+    warnings.showwarning = _show_warning
     try:
         app()
     except EdgeLLMError as e:

