@@ -159,9 +159,18 @@ def search_scale(
 def _loss_fn(layer: nn.Module, group: ScaleGroup, x: torch.Tensor, weights: list[torch.Tensor]):
     """Output MSE of candidate weights (acting on the unscaled x) against the float weights."""
     if group.inspect is None:
-        # mean over tokens and outputs of (x d^T)^2 = sum((d @ G) * d) / n_out with G = x^T x / n
-        gram = x.T @ x / x.shape[0]  # [in, in]
+        # mean over tokens and outputs of (x d^T)^2 = sum((d @ G) * d) / n_out with G = x^T x / n:
+        # through the Gram matrix when the tokens outnumber the inputs (2 out in^2 flops per
+        # candidate), else directly (2 n in out: 2.2x fewer for a 8960-wide down_proj at 4096)
         n_out = sum(w.shape[0] for w in weights)
+        if x.shape[0] < x.shape[1]:
+
+            def direct(cand: list[torch.Tensor]) -> float:
+                ds = [c - w for c, w in zip(cand, weights, strict=True)]
+                return float(sum((x @ d.T).pow(2).sum() for d in ds) / (x.shape[0] * n_out))
+
+            return direct
+        gram = x.T @ x / x.shape[0]  # [in, in]
 
         def loss(cand: list[torch.Tensor]) -> float:
             ds = [c - w for c, w in zip(cand, weights, strict=True)]

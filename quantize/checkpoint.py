@@ -35,7 +35,7 @@ from edgellm.quantize.format import FORMAT, QuantConfig, pack_int32
 from edgellm.quantize.rtn import QuantizedWeight
 from edgellm.quantize.vllm_kernels import VllmKernelWarning, describe_fit, vllm_warning
 
-SHARD_BYTES = 512 * 2**20  # a shard's tensors wait in memory until it is written: this bounds them
+SHARD_BYTES = 256 * 2**20  # a shard waits in memory until written (and safetensors copies it once more then)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PROVENANCE_KEY = "edgellm"  # our record inside quantization_config; other readers ignore it

@@ -87,11 +87,17 @@ def gptq_quantize(
     static = act_order if static_groups is None else static_groups
     if act_order and not static:
         raise InvalidParameterError("act_order needs static_groups: the format has no g_idx")
-    W, H = w.detach().float().clone(), H.detach().float().clone()  # [out, in], [in, in]
-    _drop_dead_inputs(W, H)
-    perm = _column_order(H, act_order)  # [in]: the i-th column quantized
+    # [in, in] matrices are the memory here (321 MB each for an 8960-wide down_proj): one
+    # permuted copy of H, then the factorization frees as it goes; the caller's H is untouched
+    W, H = w.detach().float().clone(), H.detach().float()  # [out, in], [in, in]
+    diag = _drop_dead_inputs(W, H)
+    perm = _column_order(diag, act_order)  # [in]: the i-th column quantized
     loop = _ColumnLoop(W, config, perm, static)
-    Hinv = _inverse_hessian_factor(H[perm][:, perm], damp, (out, inp))  # [in, in] upper
+    Hp = H[perm[:, None], perm[None, :]]
+    dead = torch.nonzero(torch.diag(Hp) == 0).flatten()
+    Hp[dead, dead] = 1
+    Hinv = _inverse_hessian_factor(Hp, damp, (out, inp))  # [in, in] upper
+    del Hp
     q = loop.run(W[:, perm], Hinv, block_size)  # int8 [out, in], permuted order
     qw = QuantizedWeight(q[:, torch.argsort(perm)], loop.scale, loop.zero, config)
     qw.error = float((qw.dequantize() - w.float()).pow(2).mean())
@@ -114,26 +120,31 @@ def _check_args(w, H, config: QuantConfig, block_size: int, damp: float) -> tupl
     return out, inp
 
 
-def _drop_dead_inputs(W: torch.Tensor, H: torch.Tensor) -> None:
-    """Inputs that never fire carry no signal: zero their weights, make H invertible there."""
-    dead = torch.diag(H) == 0  # [in]
-    H[dead, dead] = 1
+def _drop_dead_inputs(W: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """Inputs that never fire carry no signal: zero their weights. Returns diag(H) with those
+    entries 1 (the caller sets them so in its copy of H, which keeps it invertible)."""
+    diag = torch.diag(H).clone()  # [in]
+    dead = diag == 0
+    diag[dead] = 1
     W[:, dead] = 0
+    return diag
 
 
-def _column_order(H: torch.Tensor, act_order: bool) -> torch.Tensor:  # int64 [in]
+def _column_order(diag: torch.Tensor, act_order: bool) -> torch.Tensor:  # int64 [in]
     if not act_order:
-        return torch.arange(H.shape[0])
+        return torch.arange(diag.shape[0])
     # stable: equal activations keep their original order (reproducible permutations)
-    return torch.argsort(torch.diag(H), descending=True, stable=True)
+    return torch.argsort(diag, descending=True, stable=True)
 
 
 def _inverse_hessian_factor(H: torch.Tensor, damp: float, shape: tuple[int, int]) -> torch.Tensor:
     """Upper Cholesky factor U of (H + d I)^-1 (U^T U = H^-1), retrying with more damping."""
     mean_diag = float(torch.diag(H).mean())
-    eye = torch.eye(H.shape[0], dtype=H.dtype)  # [in, in]
     for attempt in range(CHOLESKY_RETRIES + 1):
-        U = _try_factor(H + damp * mean_diag * eye)
+        Hd = H.clone()
+        Hd.diagonal().add_(damp * mean_diag)  # H + d I without an identity matrix
+        U = _try_factor(Hd)
+        del Hd
         if U is not None:
             return U
         if attempt < CHOLESKY_RETRIES:
@@ -150,7 +161,10 @@ def _try_factor(H: torch.Tensor) -> torch.Tensor | None:
     L, info = torch.linalg.cholesky_ex(H)  # [in, in] lower
     if info != 0 or not torch.isfinite(L).all():
         return None
-    U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+    inv = torch.cholesky_inverse(L)
+    del L
+    U, info = torch.linalg.cholesky_ex(inv, upper=True)
+    del inv
     return U if info == 0 and torch.isfinite(U).all() else None
 
 

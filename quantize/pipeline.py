@@ -105,12 +105,19 @@ def check_shapes(args, qconfig: QuantConfig) -> None:
 
 
 MB = 2**20
-# the interpreter, torch, the tokenizer and the loaded model's metadata, before any weight:
-# measured as RTN's peak on a tiny model minus its weights (about 420 MiB here)
-BASE_BYTES = 450 * MB
+# allocator slack and the runtime's buffers beyond what the process holds when it plans
+SLACK_BYTES = 100 * MB
 
 
-def memory_estimate(args, opts: QuantizeOptions) -> dict[str, int]:
+def current_rss() -> int:
+    """This process's resident bytes now (the interpreter, torch, the loaded tokenizer)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dict[str, int]:
     """The bytes `quantize` will hold at its peak, by part, before it reads a weight. Two
     phases never overlap: the embedding table (float32 while the calibration text is
     embedded, and again with its 16-bit copy when it is written) and the layers: one float32
@@ -118,14 +125,16 @@ def memory_estimate(args, opts: QuantizeOptions) -> dict[str, int]:
     states in and out, and what the method keeps (AWQ: the sampled inputs of every linear
     and one chunk's MLP activations; GPTQ: the widest stage's inputs over every chunk, the
     float64 Hessian, its float32 factors). Both sit on the base (interpreter, torch,
-    tokenizer) and the checkpoint shard waiting to be written."""
+    tokenizer: what this process holds when it plans, unless `base` is given) and the
+    checkpoint shard waiting to be written."""
 
     d, inter = args.hidden_size, args.intermediate_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
     layer = d * (q + 2 * kv) + q * d + 3 * d * inter
     est = {
-        "base": BASE_BYTES,
-        "shard": min(SHARD_BYTES, 2 * (args.vocab_size * d + args.num_hidden_layers * layer)),
+        "base": (current_rss() if base is None else base) + SLACK_BYTES,
+        # the shard waiting to be written, and safetensors' copy of it while it writes
+        "shard": 2 * min(SHARD_BYTES, 2 * (args.vocab_size * d + args.num_hidden_layers * layer)),
         "embedding": 3 * args.vocab_size * d * 2,  # float32 + its 16-bit copy
         "one layer": 2 * layer * 4,
     }
@@ -138,7 +147,9 @@ def memory_estimate(args, opts: QuantizeOptions) -> dict[str, int]:
             kept = min(opts.awq_tokens, tokens) * (5 * d + q + inter)  # q/k/v, o, gate/up, down
             est["method"] = 4 * kept + 3 * chunk * inter * 4
         else:
-            est["method"] = tokens * widest * 4 + widest * widest * (8 + 3 * 4) + 2048 * widest * 8
+            # the widest stage's inputs, what the paused chunks hold (residual, normed input),
+            # and H, its permuted copy, the damped copy, the Cholesky factor and its inverse
+            est["method"] = tokens * (widest + 2 * d) * 4 + 5 * widest * widest * 4
     layers = sum(v for k, v in est.items() if k in ("one layer", "activations", "method"))
     est["total"] = est["base"] + est["shard"] + max(est["embedding"], layers)
     return est
@@ -165,7 +176,7 @@ def check_memory(args, opts: QuantizeOptions, budget: int | None, model: str) ->
     )
     if limit is not None and est["total"] > limit:
         parts = ", ".join(f"{k} {v / MB:,.0f}" for k, v in est.items() if k != "total")
-        parts += "; the embedding and the layers are never held at once"
+        parts += " MiB; the embedding and the layers are never held at once"
         hint = (
             " (fewer --samples or a shorter --seq-len shrink the calibration part)"
             if (opts.needs_calibration)
@@ -173,7 +184,7 @@ def check_memory(args, opts: QuantizeOptions, budget: int | None, model: str) ->
         )
         raise InvalidParameterError(
             f"quantizing {model} ({opts.method}) needs about {est['total'] / MB:,.0f} MiB "
-            f"({parts} MiB), over {what} of {limit / MB:,.0f} MiB{hint}"
+            f"({parts}), over {what} of {limit / MB:,.0f} MiB{hint}"
         )
     return est
 
@@ -238,10 +249,12 @@ def _gptq(layer, runner, hidden, opts, stages) -> tuple[dict[str, QuantizedWeigh
         for x in chunks:
             for part in x.split(2048):  # float64 copies of 2048 rows, not of every token
                 acc.add(part)
+        H = acc.hessian  # float32, once for the stage; the float64 sum goes
+        del acc
         for n in stages[i]:
             w = layer.get_submodule(n).weight.data
             cfg = opts.qconfig.for_features(w.shape[1])
-            out[n] = gptq_quantize(w, acc.hessian, cfg, damp=opts.damp, act_order=opts.act_order)
+            out[n] = gptq_quantize(w, H, cfg, damp=opts.damp, act_order=opts.act_order)
             set_weight(layer, n, out[n].dequantize())
 
     hidden = runner.staged(layer, hidden, len(stages), on_stage, gather=False)
