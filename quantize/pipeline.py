@@ -135,7 +135,9 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
         "base": (current_rss() if base is None else base) + SLACK_BYTES,
         # the shard waiting to be written, and safetensors' copy of it while it writes
         "shard": 2 * min(SHARD_BYTES, 2 * (args.vocab_size * d + args.num_hidden_layers * layer)),
-        "embedding": 3 * args.vocab_size * d * 2,  # float32 + its 16-bit copy
+        # float32 + its 16-bit copy, beside the previous table (16-bit) and safetensors' copy
+        # of it as that shard is written (RTN on Qwen 1.5B: 3,708 MiB measured, 3,832 planned)
+        "embedding": 10 * args.vocab_size * d,
         "one layer": 2 * layer * 4,
     }
     if opts.needs_calibration:
@@ -317,6 +319,7 @@ def quantize(
             advance()
         for name in _dense_names(loaded):
             writer.add_dense(name, loaded.weights.get(name))
+            release(loaded.weights)
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()
     if eval_text:
