@@ -128,7 +128,8 @@ def test_checkpoint_layout(checkpoint):
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
     assert qc["format"] == "pack-quantized" and qc["quantization_status"] == "compressed"
-    assert qc["ignore"] == ["lm_head"] and qc["edgellm"] == {"method": "rtn"}
+    assert qc["ignore"] == ["lm_head"] and qc["edgellm"]["method"] == "rtn"
+    assert set(qc["edgellm"]["vllm_gpu_kernels"]) == {"marlin", "machete"}
     assert read_quant_config(config) == qconfig
     names = {p.name for p in out.iterdir()}
     assert {"model.safetensors", "tokenizer.json", "generation_config.json"} <= names
