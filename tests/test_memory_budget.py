@@ -79,9 +79,10 @@ def test_llamacpp_weights_count_the_repacked_copies(smol, tmp_path):
 
 
 def test_int8_is_chosen_only_when_a_float_pool_misses_one_context(smol):
-    roomy = plan_memory(smol, EngineConfig(), "torch", 3 * 2**30, base=400 * MB)
+    bf16 = EngineConfig(dtype="bfloat16")  # auto is float32 on CPUs without bf16 instructions
+    roomy = plan_memory(smol, bf16, "torch", 3 * 2**30, base=400 * MB)
     assert roomy.kv_dtype == "auto" and roomy.options["auto"][2] >= 8192
-    tight = plan_memory(smol, EngineConfig(), "torch", 1100 * MB, base=400 * MB)
+    tight = plan_memory(smol, bf16, "torch", 1100 * MB, base=400 * MB)
     assert tight.kv_dtype == "int8" and tight.options["auto"][2] < 8192
     asked = plan_memory(smol, EngineConfig(kv_cache_dtype="auto"), "torch", 3 * 2**30, base=0)
     assert asked.kv_dtype == "auto"
@@ -104,7 +105,8 @@ PROBE = r"""
 import json, sys
 from edgellm import LLM, SamplingParams
 from edgellm.loaders.texts import load_text
-llm = LLM(None, backend=sys.argv[1], memory_budget=sys.argv[2], threads=2)
+bf16 = {"dtype": "bfloat16"} if sys.argv[1] == "torch" else {}  # auto: fp32 without bf16 CPUs
+llm = LLM(None, backend=sys.argv[1], memory_budget=sys.argv[2], threads=2, **bf16)
 plan, bm = llm.memory_plan, llm.engine.block_manager
 n, gen = 24, 8
 per = bm.num_blocks * bm.block_size // n - bm.block_size  # the whole pool in use at once
