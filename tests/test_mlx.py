@@ -30,13 +30,17 @@ from edgellm.engine.engine import Engine  # noqa: E402
 from edgellm.engine.scheduler import ScheduledSeq  # noqa: E402
 from edgellm.engine.sequence import Sequence  # noqa: E402
 from edgellm.entrypoints import cli  # noqa: E402
+from edgellm.entrypoints.llm import LLM  # noqa: E402
 from edgellm.errors import (  # noqa: E402
     InvalidParameterError,
+    ModelFormatError,
     OutputExistsError,
     UnsupportedArchitectureError,
 )
 from edgellm.kernels.int4_matmul import dequantize_weight  # noqa: E402
+from edgellm.loaders.model import load_model as load_ours  # noqa: E402
 from edgellm.quantize import QuantizeOptions, quantize  # noqa: E402
+from edgellm.quantize.build import build_model  # noqa: E402
 from edgellm.quantize.export_mlx import affine_from_packed, export_mlx  # noqa: E402
 from edgellm.quantize.format import pack_int32  # noqa: E402
 from edgellm.quantize.linear import QuantLinear  # noqa: E402
@@ -221,8 +225,6 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def test_int_checkpoint_runs_as_its_dequantized_weights(tiny_ckpt, monkeypatch):
-    from edgellm.entrypoints.llm import LLM
-
     monkeypatch.setattr(QuantLinear, "use_fast", False)  # torch: dequantize-then-matmul, fp32
     ids = list(range(1, 50))
     # fp32 on both (torch's "auto" is bf16 on CPUs with native bf16 dot products)
@@ -233,9 +235,6 @@ def test_int_checkpoint_runs_as_its_dequantized_weights(tiny_ckpt, monkeypatch):
 
 def test_export_loads_in_mlx_lm_with_our_exact_weights(tiny_ckpt):
     from mlx_lm.utils import load_model
-
-    from edgellm.loaders.model import load_model as load_ours
-    from edgellm.quantize.build import build_model
 
     out, weights = export_mlx(tiny_ckpt / "q", tiny_ckpt / "mlx", dtype="float32")
     cfg = json.loads((out / "config.json").read_text())
@@ -257,8 +256,6 @@ def test_export_loads_in_mlx_lm_with_our_exact_weights(tiny_ckpt):
     assert n == 7 * ours.args.num_hidden_layers
     # mlx-lm's own forward over the export equals our MLX backend's logits
     ids = list(range(1, 40))
-    from edgellm.entrypoints.llm import LLM
-
     llm = LLM(str(tiny_ckpt / "q"), backend="mlx", kv_cache_mb=1.0)
     b = llm.engine.backend
     got = forward_logits(b, [ids])
@@ -275,6 +272,9 @@ def test_export_refuses_and_loses_nothing(tiny_ckpt, tmp_path, capsys, monkeypat
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     with pytest.raises(InvalidParameterError, match="source model"):
         export_mlx(tiny_ckpt / "q", tiny_ckpt / "q")
+    # the export is mlx-lm's layout: edgellm's own loader says so and names the way to run it
+    with pytest.raises(ModelFormatError, match="MLX-format quantized model .*mlx_lm.generate"):
+        load_ours(out)
     # per-channel groups (96 wide on down_proj) are no MLX group size: one error, no output
     opts = QuantizeOptions(method="rtn", group_size=-1, **FAST)
     quantize(str(tiny_ckpt / "src"), str(tmp_path / "pc"), opts, progress=False)
@@ -285,8 +285,6 @@ def test_export_refuses_and_loses_nothing(tiny_ckpt, tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert exc.value.code == 1 and "group sizes 32, 64, 128" in err and "Traceback" not in err
     assert not (tmp_path / "pc-mlx").exists() and not list(tmp_path.glob(".pc-mlx*"))
-    from edgellm.entrypoints.llm import LLM
-
     with pytest.raises(UnsupportedArchitectureError, match="group sizes 32, 64, 128"):
         LLM(str(tmp_path / "pc"), backend="mlx", kv_cache_mb=1.0)  # nor can the backend run it
     for dtype, scale in (("float64", "auto"), ("auto", "bfloat16")):  # unknown names
@@ -347,8 +345,6 @@ def assert_same_up_to_near_tie(reference, prompt, got, want) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["float", "awq-sym", "awq-asym"])
 def test_smollm2_greedy_equals_the_torch_backend(kind, smollm2_path, awq):
-    from edgellm.entrypoints.llm import LLM
-
     path = str(smollm2_path) if kind == "float" else str(awq / kind.removeprefix("awq-"))
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     ref = LLM(path, backend="torch", kv_cache_mb=32)
@@ -368,8 +364,6 @@ def test_smollm2_export_generates_our_tokens_in_mlx_lm(awq, tmp_path):
     """mlx_lm.load + its own greedy generation on the export give `-b mlx`'s tokens and text."""
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
-
-    from edgellm.entrypoints.llm import LLM
 
     out, weights = export_mlx(awq / "sym", tmp_path / "mlx", dtype="float32")
     assert weights.scale_dtype == torch.float16  # symmetric: every bias -8 * scale is exact

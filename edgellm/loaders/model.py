@@ -56,11 +56,25 @@ def _load_gguf(path: Path) -> LoadedModel:
 
 def _load_hf(path: Path) -> LoadedModel:
     config = read_config(path)
+    _refuse_mlx_format(config, path)
     args = hf_model_args(config, path)
     weights = open_safetensors(safetensors_files(path))
     check_hf_weights(args, weights, path)
     tokenizer = _tokenizer(Tokenizer.from_hf_dir, path, path)
     return _checked(LoadedModel(path, "hf", args, weights, tokenizer, config))
+
+
+def _refuse_mlx_format(config: dict, path: Path) -> None:
+    """An mlx-lm quantized directory (`edgellm export mlx`'s output, mlx-community models):
+    its packed uint32 weights with per-group biases are MLX's layout, not one edgellm runs."""
+    mlx = config.get("quantization")
+    if isinstance(mlx, dict) and "bits" in mlx and "quantization_config" not in config:
+        raise ModelFormatError(
+            f"{path} is an MLX-format quantized model ({mlx.get('bits')}-bit, group "
+            f"{mlx.get('group_size')}: mlx-lm's layout); run it with mlx-lm "
+            f"(`mlx_lm.generate --model {path}`), or give edgellm the compressed-tensors "
+            "checkpoint or GGUF it was exported from"
+        )
 
 
 def _tokenizer(build, source, path: Path) -> Tokenizer:
