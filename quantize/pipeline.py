@@ -150,8 +150,9 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
             est["method"] = 4 * kept + 3 * chunk * inter * 4
         else:
             # the widest stage's inputs, what the paused chunks hold (residual, normed input),
-            # and H, its permuted copy, the damped copy, the Cholesky factor and its inverse
-            est["method"] = tokens * (widest + 2 * d) * 4 + 5 * widest * widest * 4
+            # and H with two more [in, in] matrices (its damped copy or the inverse, and a
+            # Cholesky factor: `gptq._inverse_hessian_factor`)
+            est["method"] = tokens * (widest + 2 * d) * 4 + 3 * widest * widest * 4
     layers = sum(v for k, v in est.items() if k in ("one layer", "activations", "method"))
     est["total"] = est["base"] + est["shard"] + max(est["embedding"], layers)
     return est

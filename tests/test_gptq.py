@@ -225,7 +225,12 @@ def test_hessian_accumulator_equals_one_shot():
     acc.add(x[107:])
     assert acc.n_samples == 300
     expect = 2 * x.double().T @ x.double() / 300
-    torch.testing.assert_close(acc.hessian.double(), expect, rtol=1e-5, atol=1e-5)
+    # float32 sums: each entry within 1e-6 of its Cauchy-Schwarz scale sqrt(H_ii H_jj), far
+    # below the damping GPTQ adds (1% of the mean diagonal)
+    d = torch.diag(expect).sqrt()
+    err = (acc.hessian.double() - expect).abs() / (d[:, None] * d[None, :])
+    assert float(err.max()) < 1e-6
+    assert torch.equal(acc.hessian, acc.hessian.T)  # exactly symmetric (mirrored blocks)
     assert acc.hessian.dtype == torch.float32
     with pytest.raises(InvalidParameterError, match="33 features"):
         acc.add(torch.zeros(2, 33))
