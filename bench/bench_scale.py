@@ -19,14 +19,14 @@ from the same float weights.
    token touches: all tensors but the token embeddings, which are read whole when tied to
    the output, plus the K/V read) x tokens/s / bandwidth. Beside it `Llama.generate` on the
    same file: the ratio edgellm / llama-cpp-python.
-4. Backends: one greedy answer from the AWQ g128 checkpoint on the torch backend, from its
-   GGUF export on llama.cpp and from its MLX export on MLX (tokens/s; the tokens agreeing
-   with torch's).
+4. Backends: one greedy answer from the AWQ g128 checkpoint on the torch and MLX backends,
+   from its GGUF export on llama.cpp, and mlx-lm's own generation on its MLX export
+   (tokens/s; the tokens agreeing with torch's and with our MLX backend's).
 5. Chat: `edgellm chat` on the Q4_0 export with `--memory-budget 4GB`, two turns from
    stdin: the process's peak RSS.
 
 Steps are cached in the work directory (results.json): a rerun skips what is done
-(`--redo STEP` repeats one).
+(`--redo TEXT` repeats the steps whose names contain TEXT).
 
     python bench/bench_scale.py                  # writes bench/results/scale.{json,md,png}
 """
@@ -221,11 +221,15 @@ def step_decode(ctx, path: str) -> dict:
     llm.engine.backend.close()
     del llm
     peer = llama_decode(Path(path), ids, n, ctx.args.threads, ctx.args.rounds)
+    # the same on one thread: a kernel limited by memory gains little from a second core
+    # (one core alone reads `numpy 1 thread`), one limited by compute nearly doubles
+    one = llama_decode(Path(path), ids, n, 1, ctx.args.rounds)
     rate, peer_rate = max(ours), max(peer)
     b = bytes_per_token(path, len(ids) + n // 2)
     return {
         **bw, "bytes_per_token": b, "tokens": n, "prompt_tokens": len(ids),
-        "edgellm_tok_s": ours, "llama_generate_tok_s": peer,
+        "edgellm_tok_s": ours, "llama_generate_tok_s": peer, "llama_generate_1thread_tok_s": one,
+        "llama_1thread_read_bytes_per_s": b["total"] * max(one),
         "edgellm_vs_llama": rate / peer_rate,
         "bandwidth_fraction": b["total"] * rate / bw["bandwidth"],
         "llama_bandwidth_fraction": b["total"] * peer_rate / bw["bandwidth"],
@@ -233,6 +237,8 @@ def step_decode(ctx, path: str) -> dict:
 
 
 def step_backends(ctx, ckpt: str, gguf: str) -> dict:
+    """One greedy answer per backend (torch and MLX run the checkpoint, llama.cpp its GGUF
+    export), and mlx-lm's own generation on the MLX export: tokens/s and agreement."""
     from edgellm import LLM, SamplingParams
     from edgellm.quantize.export_mlx import export_mlx
 
@@ -241,7 +247,7 @@ def step_backends(ctx, ckpt: str, gguf: str) -> dict:
         export_mlx(ckpt, mlx_dir, force=True)
     params = SamplingParams(temperature=0, max_tokens=ctx.args.tokens, ignore_eos=True)
     out = {}
-    for backend, model in (("torch", ckpt), ("llamacpp", gguf), ("mlx", str(mlx_dir))):
+    for backend, model in (("torch", ckpt), ("llamacpp", gguf), ("mlx", ckpt)):
         try:
             llm = LLM(model, backend=backend, threads=ctx.args.threads)
         except Exception as e:  # noqa: BLE001 - a backend missing here is recorded, not fatal
@@ -257,14 +263,34 @@ def step_backends(ctx, ckpt: str, gguf: str) -> dict:
         if close:
             close()
         del llm
-    ref = out.get("torch", {}).get("tokens")
-    for v in out.values():
-        if ref and "tokens" in v:
-            v["agree_with_torch"] = next(
-                (i for i, (a, b) in enumerate(zip(ref, v["tokens"], strict=False)) if a != b),
-                min(len(ref), len(v["tokens"])),
-            )
+    out["mlx-lm (MLX export)"] = mlx_lm_greedy(mlx_dir, prompt, ctx.args.tokens)
+    for ref in ("torch", "mlx"):
+        want = out.get(ref, {}).get("tokens")
+        for k, v in out.items():
+            if want and "tokens" in v and (k != ref):
+                v[f"agree_with_{ref}"] = first_difference(want, v["tokens"])
     return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def mlx_lm_greedy(mlx_dir: Path, prompt: list[int], n: int) -> dict:
+    """mlx-lm's own load and greedy generation on our MLX export."""
+    try:
+        from mlx_lm import load, stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        model, tok = load(str(mlx_dir))
+        t0, toks = None, []
+        for r in stream_generate(model, tok, prompt, max_tokens=n, sampler=make_sampler(temp=0.0)):
+            toks.append(r.token)
+            t0 = t0 or time.perf_counter()
+        return {"tok_s": (len(toks) - 1) / (time.perf_counter() - t0), "tokens": toks,
+                "text": tok.decode(toks)}  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - recorded in the table, not fatal
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def step_chat(ctx, gguf: str) -> dict:
@@ -291,7 +317,7 @@ class Ctx:
         self.results = json.loads(self.cache_file.read_text()) if self.cache_file.exists() else {}
 
     def step(self, key: str, fn, *a):
-        if key in self.results and key not in self.args.redo:
+        if key in self.results and not any(r in key for r in self.args.redo):
             return self.results[key]
         print(f"== {key}", flush=True)
         self.results[key] = fn(self, *a)
@@ -368,18 +394,26 @@ def markdown(res: dict, command: str) -> str:
             f"{d['llama_bandwidth_fraction']:.0%} of bandwidth |",
             f"| edgellm / Llama.generate | {d['edgellm_vs_llama']:.2f} |",
         ]
+        if one := d.get("llama_generate_1thread_tok_s"):
+            lines.append(
+                f"| `Llama.generate` on 1 thread | {max(one):.1f} tok/s = "
+                f"{d['llama_1thread_read_bytes_per_s'] / 1e9:.1f} GB/s read "
+                f"({max(d['llama_generate_tok_s']) / max(one):.2f}x from the second thread) |"
+            )
     if c := res.get("chat"):
         lines += ["", f"`edgellm chat --memory-budget 4GB` on the Q4_0 export, two turns: peak RSS "
                   f"{c['peak_rss_mb']:.0f} MiB ({c['seconds']:.0f} s)."]  # fmt: skip
     if bk := res.get("backends"):
-        lines += ["", "| backend (AWQ g128) | dtype | tok/s | tokens equal to torch's |",
-                  "|---|---|---:|---:|"]  # fmt: skip
+        lines += ["", "| backend (AWQ g128) | dtype | tok/s | tokens equal to torch's | to MLX's |",
+                  "|---|---|---:|---:|---:|"]  # fmt: skip
         for name, v in bk.items():
             if "error" in v:
-                lines.append(f"| {name} | | | {v['error']} |")
-            else:
-                lines.append(f"| {name} | {v['dtype']} | {v['tok_s']:.1f} | "
-                             f"{v['agree_with_torch']}/{len(v['tokens'])} |")  # fmt: skip
+                lines.append(f"| {name} | | | {v['error']} | |")
+                continue
+            n = len(v["tokens"])
+            eq = [f"{v[k]}/{n}" if k in v else "" for k in ("agree_with_torch", "agree_with_mlx")]
+            lines.append(f"| {name} | {v.get('dtype', 'bfloat16 (mlx-lm)')} | {v['tok_s']:.1f} | "
+                         f"{eq[0]} | {eq[1]} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -426,7 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated (decode, backends)")
     ap.add_argument("--rounds", type=int, default=3, help="decode repeats per engine")
     ap.add_argument("--skip", nargs="*", default=[], help="e.g. gptq32 awq32: configs left out")
-    ap.add_argument("--redo", nargs="*", default=[], help="step names to run again")
+    ap.add_argument("--redo", nargs="*", default=[], help="run again every step whose name contains one of these (e.g. gptq: the "
+                    "quantization, export and perplexity of both GPTQ rows)")
     ap.add_argument("--work-dir", default="/tmp/edgellm-bench-scale")
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)

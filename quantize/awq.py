@@ -28,9 +28,7 @@ from edgellm.quantize.rtn import (
     QuantConfig,
     QuantizedWeight,
     compute_qparams,
-    dequantize,
     quantize_rtn,
-    quantize_values,
 )
 
 log = logging.getLogger(__name__)
@@ -148,7 +146,7 @@ def search_scale(
     for i in range(n_grid):
         s = x_mean.pow(i / n_grid).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()  # centre around 1 so neither side overflows
-        losses.append(loss_fn([fake_quantize(w * s, config) / s for w in weights]))
+        losses.append(loss_fn([fake_quantize(w, config, col_scale=s) for w in weights]))
         cands.append(s)
     best = min(range(n_grid), key=lambda i: (losses[i], i))  # alpha 0 (plain RTN) on ties
     ratio = losses[best] / losses[0] if losses[0] > 0 else 1.0
@@ -204,14 +202,33 @@ def _mul_(p: torch.Tensor, factor: torch.Tensor) -> None:
     p.copy_(p.float() * factor)  # in float32 whatever p's dtype, one rounding
 
 
-def fake_quantize(w: torch.Tensor, config: QuantConfig, clip: torch.Tensor | float = 1.0):
-    """RTN quantize-dequantize of w [out, in] (no error bookkeeping): float32 [out, in]."""
+def fake_quantize(
+    w: torch.Tensor,
+    config: QuantConfig,
+    clip: torch.Tensor | float = 1.0,
+    col_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RTN quantize-dequantize of w [out, in] (no codes, no error bookkeeping): float32
+    [out, in], equal to `quantize_rtn(w, config, clip).dequantize()` value for value. With
+    `col_scale` s [in], of w * s, divided by s again (AWQ's candidates). One fresh tensor,
+    the rest in place: the searches call this for every candidate of every linear."""
     out, inp = w.shape
     config = config.for_features(inp)
-    wg = w.float().view(out, config.groups(inp), config.group_len(inp))
+    wg = (w.float() * col_scale if col_scale is not None else w.float().clone()).view(
+        out, config.groups(inp), config.group_len(inp)
+    )
     scale, zero = compute_qparams(wg, config, clip)
-    q = quantize_values(wg, scale, zero, config).view(out, inp)
-    return dequantize(q, scale, zero, config)
+    scale = scale[..., None]
+    # quantize_values then dequantize, in place: integers are exact in float32
+    wg.div_(scale).round_()
+    if zero is not None:
+        z = zero[..., None].float()
+        wg.add_(z).clamp_(config.qmin, config.qmax).sub_(z)
+    else:
+        wg.clamp_(config.qmin, config.qmax)
+    wg.mul_(scale)
+    wq = wg.view(out, inp)
+    return wq.div_(col_scale) if col_scale is not None else wq
 
 
 def search_clip(
@@ -233,7 +250,7 @@ def search_clip(
     best_err = torch.full((out, n_groups), float("inf"), device=w.device)
     best_clip = torch.ones(out, n_groups, device=w.device)
     for c in torch.linspace(1.0, 1.0 - max_shrink, clip_grid).tolist():
-        d = (fake_quantize(w, config, c) - w.float()).view(out, n_groups, g)
+        d = fake_quantize(w, config, c).sub_(w).view(out, n_groups, g)
         err = group_output_error(d, gram)  # [out, G]
         better = err < best_err
         best_err = torch.where(better, err, best_err)

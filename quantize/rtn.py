@@ -39,14 +39,14 @@ def compute_qparams(
     clip: torch.Tensor | float = 1.0,  # shrink the range (AWQ/GPTQ clip search)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point) of each group from its value range: [...], [...]."""
-    w = w.float()
+    lo, hi = torch.aminmax(w.float(), dim=-1)  # one pass, no |w| copy
     if config.symmetric:
-        amax = w.abs().amax(-1) * clip
+        amax = torch.maximum(hi, -lo) * clip  # = max |w|, exactly
         # map [-amax, amax] onto [qmin, qmax] centred on zero (amax / 7.5 for 4 bits)
         scale = (2 * amax / (config.qmax - config.qmin)).clamp(min=1e-10)
         return scale, None
-    wmax = (w.amax(-1) * clip).clamp(min=0)
-    wmin = (w.amin(-1) * clip).clamp(max=0)
+    wmax = (hi * clip).clamp(min=0)
+    wmin = (lo * clip).clamp(max=0)
     scale = ((wmax - wmin) / (config.qmax - config.qmin)).clamp(min=1e-10)
     zero = (config.qmin - torch.round(wmin / scale)).clamp(config.qmin, config.qmax)
     return scale, zero.to(torch.int8)

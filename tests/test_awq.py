@@ -254,8 +254,11 @@ def test_fake_quantize_matches_rtn_and_clip_never_hurts(config):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(16, 64, generator=g), torch.randn(100, 64, generator=g)
     clip = search_clip(w, x, config, clip_grid=10, max_shrink=0.5)
-    torch.testing.assert_close(
-        fake_quantize(w, config, clip), quantize_rtn(w, config, clip).dequantize()
+    # value for value (in place arithmetic, same roundings)
+    assert torch.equal(fake_quantize(w, config, clip), quantize_rtn(w, config, clip).dequantize())
+    s = torch.rand(64, generator=g) + 0.5  # AWQ's candidates: quantize w * s, divide by s
+    assert torch.equal(
+        fake_quantize(w, config, col_scale=s), quantize_rtn(w * s, config).dequantize() / s
     )
     assert search_clip(w, x, config, clip_grid=10, max_shrink=0) == 1.0
     xg = x.view(100, 2, 32)

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from edgellm import SamplingParams
+from edgellm.entrypoints.llm import LLM
 from edgellm.quantize import QuantizeOptions, quantize
+from tests.conftest import next_logits
 
 VLLM_PYTHON = Path(
     os.environ.get(
@@ -49,8 +51,6 @@ def kind_name(method, sym, group) -> str:
 @pytest.fixture(scope="module")
 def handoff(tmp_path_factory, smollm2_path):
     """Our checkpoints, and vLLM's greedy tokens on each (one vLLM process for all)."""
-    from edgellm.entrypoints.llm import LLM
-
     root = tmp_path_factory.mktemp("vllm")
     dirs = {}
     for method, sym, group in KINDS:
@@ -73,9 +73,6 @@ def handoff(tmp_path_factory, smollm2_path):
 
 @pytest.mark.parametrize("kind", [kind_name(*k) for k in KINDS])
 def test_vllm_loads_our_checkpoint_and_greedy_text_matches(kind, handoff):
-    from edgellm.entrypoints.llm import LLM
-    from tests.conftest import next_logits
-
     dirs, prompts, vllm = handoff
     got = vllm[str(dirs[kind])]
     assert "error" not in got, got.get("error")
