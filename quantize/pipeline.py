@@ -124,9 +124,9 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
     decoder layer with the dequantized copy the method writes back, the calibration hidden
     states in and out, and what the method keeps (AWQ: the sampled inputs of every linear
     and one chunk's MLP activations; GPTQ: the widest stage's inputs over every chunk, the
-    float64 Hessian, its float32 factors). Both sit on the base (interpreter, torch,
-    tokenizer: what this process holds when it plans, unless `base` is given) and the
-    checkpoint shard waiting to be written."""
+    float32 Hessian and two [in, in] matrices of its factorization). Both sit on the base
+    (interpreter, torch, tokenizer: what this process holds when it plans, unless `base` is
+    given) and the checkpoint shard waiting to be written."""
 
     d, inter = args.hidden_size, args.intermediate_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim

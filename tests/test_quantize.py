@@ -179,8 +179,13 @@ def test_a_quantization_over_the_memory_budget_is_refused_before_work(tiny_dir, 
 
     qwen = ModelArgs("qwen2", 1536, 8960, 28, 12, 2, 151936, qkv_bias=True)
     rtn, gptq = (memory_estimate(qwen, QuantizeOptions(method=m)) for m in ("rtn", "gptq"))
-    assert "method" not in rtn and gptq["method"] >= 4 * 8960 * 8960 * 4
-    assert rtn["embedding"] == 10 * 151936 * 1536 and gptq["total"] > rtn["total"]
+    assert "method" not in rtn and gptq["method"] >= 3 * 8960 * 8960 * 4
+    assert rtn["embedding"] == 10 * 151936 * 1536
+
+    def layers(est):  # the layer phase (the embedding phase is the same for every method)
+        return sum(est.get(k, 0) for k in ("one layer", "activations", "method"))
+
+    assert layers(gptq) > layers(rtn) and gptq["total"] >= rtn["total"]
 
 
 def test_cli_memory_budget_refusal_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
