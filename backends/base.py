@@ -10,7 +10,6 @@ the registry (`backends/registry.py`); `check_backend` holds each to this contra
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections.abc import Callable
@@ -158,16 +157,6 @@ def kv_bytes_per_token(
     n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype | str
 ) -> int:
     return 2 * n_layers * n_kv_heads * kv_row_bytes(head_dim, dtype)
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc `malloc_trim`). Building a model
-    frees many large temporaries (dequantized blocks, casts, fusions) that glibc keeps
-    mapped otherwise: on SmolLM2 that is a few hundred MB of RSS nothing uses."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 KV_WINDOW_CONTEXT = 65536  # positions a `kv_window` run allows by default (max_model_len)

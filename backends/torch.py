@@ -15,7 +15,6 @@ from edgellm.backends.base import (
     flatten_batch,
     kv_row_bytes,
     pool_geometry,
-    trim_heap,
 )
 from edgellm.config import EngineConfig
 from edgellm.errors import InvalidParameterError
@@ -24,6 +23,7 @@ from edgellm.kernels.paged_attention import AttentionMetadata
 from edgellm.loaders.model import LoadedModel
 from edgellm.models.fused import FusedModel
 from edgellm.quantize.build import build_model
+from edgellm.sysmem import trim_heap
 
 if TYPE_CHECKING:
     from edgellm.engine.scheduler import ScheduledSeq

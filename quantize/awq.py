@@ -52,6 +52,8 @@ def awq_quantize_layer(
     clip_grid: int = 20,
     max_shrink: float = 0.5,
     sample_tokens: int | None = 4096,
+    screen_tokens: int = 1024,
+    screen_keep: int = 3,
 ) -> dict[str, QuantizedWeight]:
     """AWQ-quantize every linear of `layer`; returns the codes per linear name.
 
@@ -60,17 +62,24 @@ def awq_quantize_layer(
     place: scales are folded into its norms/linears (float function unchanged).
     n_grid: alpha steps in [0, 1); clip_grid: clip factors in [1 - max_shrink, 1]
     (max_shrink=0 disables clipping); sample_tokens: evenly spaced tokens used for
-    the searches (None: all).
+    the searches (None: all); screen_tokens, screen_keep: see `search_scale` (0: every
+    candidate scored on every token).
     """
     groups = _scale_groups(model_type)
     _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
+    if screen_tokens < 0 or screen_keep < 1:
+        raise InvalidParameterError(
+            f"screen_tokens must be >= 0 and screen_keep >= 1, got {screen_tokens}, {screen_keep}"
+        )
+    screen = (screen_tokens, screen_keep)
     with torch.no_grad():
         # check everything before the first fold, so a bad call leaves the layer as it was
         xs = [_group_input(inputs, group, sample_tokens) for group in groups]  # [n, in] each
         for name in (name for group in groups for name in group.linears):
             config.for_features(layer.get_submodule(name).in_features)
         scales = [
-            _scale_group(layer, g, x, config, n_grid) for g, x in zip(groups, xs, strict=True)
+            _scale_group(layer, g, x, config, n_grid, screen)
+            for g, x in zip(groups, xs, strict=True)
         ]
         out: dict[str, QuantizedWeight] = {}
         for group, x, s in zip(groups, xs, scales, strict=True):  # after all folds: final weights
@@ -116,7 +125,12 @@ def _group_input(inputs: dict[str, torch.Tensor], group: ScaleGroup, n: int | No
 
 
 def _scale_group(
-    layer: nn.Module, group: ScaleGroup, x: torch.Tensor, config: QuantConfig, n_grid: int
+    layer: nn.Module,
+    group: ScaleGroup,
+    x: torch.Tensor,
+    config: QuantConfig,
+    n_grid: int,
+    screen: tuple[int, int] = (0, 1),
 ) -> torch.Tensor:  # s [in]
     """Search the group's scales and fold them in; ones when the shapes forbid folding."""
     prev = layer.get_submodule(group.prev)
@@ -129,29 +143,56 @@ def _scale_group(
             group.prev, ",".join(group.linears), width, linears[0].in_features, why,
         )  # fmt: skip
         return torch.ones(x.shape[1], device=x.device)
-    s = search_scale(layer, group, x, config, n_grid)
+    s = search_scale(layer, group, x, config, n_grid, *screen)
     fold_scale(prev, linears, s)
     return s
 
 
 def search_scale(
-    layer: nn.Module, group: ScaleGroup, x: torch.Tensor, config: QuantConfig, n_grid: int
+    layer: nn.Module,
+    group: ScaleGroup,
+    x: torch.Tensor,
+    config: QuantConfig,
+    n_grid: int,
+    screen_tokens: int = 0,
+    screen_keep: int = 3,
 ) -> torch.Tensor:  # s [in]
-    """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE."""
+    """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE.
+
+    Where a candidate's loss costs time in proportion to the tokens (a module's output, or
+    a linear wider than the tokens, such as down_proj), every candidate is first scored on
+    `screen_tokens` evenly spaced tokens, and only the `screen_keep` best of them and alpha 0
+    (plain RTN, the reference) are scored on all of x: on Qwen 1.5B the MLP's ten
+    candidates cost 1.7 s each on 4096 tokens. screen_tokens=0 or >= the tokens: all on all.
+    """
     linears = [layer.get_submodule(n) for n in group.linears]
     weights = [lin.weight.float() for lin in linears]  # [out_i, in]
-    loss_fn = _loss_fn(layer, group, x, weights)
     x_mean = x.abs().mean(0)  # [in]
-    losses, cands = [], []
+    cands = []
     for i in range(n_grid):
         s = x_mean.pow(i / n_grid).clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()  # centre around 1 so neither side overflows
-        losses.append(loss_fn([fake_quantize(w, config, col_scale=s) for w in weights]))
-        cands.append(s)
-    best = min(range(n_grid), key=lambda i: (losses[i], i))  # alpha 0 (plain RTN) on ties
+        cands.append(s / (s.max() * s.min()).sqrt())  # centre around 1: neither side overflows
+
+    def quantized(s: torch.Tensor) -> list[torch.Tensor]:
+        return [fake_quantize(w, config, col_scale=s) for w in weights]
+
+    loss_fn = _loss_fn(layer, group, x, weights)
+    scored = range(n_grid)
+    if 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x) and n_grid > screen_keep + 1:
+        idx = torch.linspace(0, x.shape[0] - 1, screen_tokens).round().long()
+        rough_fn = _loss_fn(layer, group, x[idx], weights)
+        rough = [rough_fn(quantized(s)) for s in cands]
+        scored = sorted({0, *sorted(range(n_grid), key=lambda i: (rough[i], i))[:screen_keep]})
+    losses = {i: loss_fn(quantized(cands[i])) for i in scored}
+    best = min(losses, key=lambda i: (losses[i], i))  # alpha 0 (plain RTN) on ties
     ratio = losses[best] / losses[0] if losses[0] > 0 else 1.0
     log.info("AWQ %s: alpha %.2f, output error %.3fx RTN", group.prev, best / n_grid, ratio)
     return cands[best]
+
+
+def _costs_per_token(group: ScaleGroup, x: torch.Tensor) -> bool:
+    """Whether `_loss_fn` runs over the tokens (else through their Gram matrix, once)."""
+    return group.inspect is not None or x.shape[0] < x.shape[1]
 
 
 def _loss_fn(layer: nn.Module, group: ScaleGroup, x: torch.Tensor, weights: list[torch.Tensor]):

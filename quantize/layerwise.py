@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from edgellm.kernels.paged_attention import AttentionMetadata
-from edgellm.loaders.weights import WeightSource, layer_prefix
+from edgellm.loaders.weights import WeightSource, gather_rows, layer_prefix
 from edgellm.models import get_model_module
 from edgellm.models.llama import ModelArgs
 
@@ -36,7 +36,9 @@ def release(source: WeightSource) -> None:
 
 
 def embed(source: WeightSource, tokens: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n, L, D]
-    return source.get("model.embed_tokens.weight").float()[tokens]
+    """The calibration tokens' embeddings, float32: only the rows they use are kept."""
+    ids, where = torch.unique(tokens, return_inverse=True)
+    return gather_rows(source, "model.embed_tokens.weight", ids)[where]
 
 
 class LayerRunner:

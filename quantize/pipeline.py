@@ -31,6 +31,7 @@ from rich.table import Table
 from edgellm.errors import InvalidParameterError
 from edgellm.fsutil import check_output
 from edgellm.loaders.model import load_model
+from edgellm.loaders.weights import ROW_CHUNK, rows_as
 from edgellm.models import get_model_module
 from edgellm.quantize.awq import awq_quantize_layer
 from edgellm.quantize.calibration import calibration_tokens
@@ -46,6 +47,7 @@ from edgellm.quantize.layerwise import (
 )
 from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, quantize_rtn
 from edgellm.registry import resolve_model
+from edgellm.sysmem import trim_heap
 from edgellm.version import __version__
 
 METHODS = ("rtn", "awq", "gptq")
@@ -66,6 +68,9 @@ class QuantizeOptions:
     damp: float = 0.01  # GPTQ
     awq_tokens: int = 4096  # AWQ: calibration tokens kept per layer for the searches
     awq_grid: int = 10  # AWQ: scale exponents tried per scale group
+    # AWQ: tokens every candidate is first scored on where scoring costs per token; the
+    # best 3 and RTN are then scored on all awq_tokens (0: every candidate on every token)
+    awq_screen: int = 1024
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -119,12 +124,14 @@ def current_rss() -> int:
 
 def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dict[str, int]:
     """The bytes `quantize` will hold at its peak, by part, before it reads a weight. Two
-    phases never overlap: the embedding table (float32 while the calibration text is
-    embedded, and again with its 16-bit copy when it is written) and the layers: one float32
+    phases never overlap: the embedding table as it is written (16-bit, built a few rows at
+    a time, with safetensors' copy of it and, untied, the LM head's table waiting; the
+    calibration text only ever decodes the rows it uses) and the layers: one float32
     decoder layer with the dequantized copy the method writes back, the calibration hidden
     states in and out, and what the method keeps (AWQ: the sampled inputs of every linear
     and one chunk's MLP activations; GPTQ: the widest stage's inputs over every chunk, the
-    float32 Hessian and two [in, in] matrices of its factorization). Both sit on the base
+    float32 Hessian, the one copy its factorization works in, and the column loop's copies
+    of the widest weight). Both sit on the base
     (interpreter, torch, tokenizer: what this process holds when it plans, unless `base` is
     given) and the checkpoint shard waiting to be written."""
 
@@ -135,9 +142,10 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
         "base": (current_rss() if base is None else base) + SLACK_BYTES,
         # the shard waiting to be written, and safetensors' copy of it while it writes
         "shard": 2 * min(SHARD_BYTES, 2 * (args.vocab_size * d + args.num_hidden_layers * layer)),
-        # float32 + its 16-bit copy, beside the previous table (16-bit) and safetensors' copy
-        # of it as that shard is written (RTN on Qwen 1.5B: 3,708 MiB measured, 3,832 planned)
-        "embedding": 10 * args.vocab_size * d,
+        # the 16-bit table and safetensors' copy of it (and untied, the head's table beside
+        # them), plus the float32 rows being converted
+        "embedding": (4 if args.tie_word_embeddings else 6) * args.vocab_size * d
+        + ROW_CHUNK * d * 4,
         "one layer": 2 * layer * 4,
     }
     if opts.needs_calibration:
@@ -150,9 +158,12 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
             est["method"] = 4 * kept + 3 * chunk * inter * 4
         else:
             # the widest stage's inputs, what the paused chunks hold (residual, normed input),
-            # and H with two more [in, in] matrices (its damped copy or the inverse, and a
-            # Cholesky factor: `gptq._inverse_hessian_factor`)
-            est["method"] = tokens * (widest + 2 * d) * 4 + 3 * widest * widest * 4
+            # H and the one [in, in] copy factored in place (`gptq._inverse_hessian_factor`),
+            # and the column loop's float32 copies of the weight (W, W permuted, the error)
+            biggest = max(d * inter, q * d, d * (q + 2 * kv))
+            est["method"] = (
+                tokens * (widest + 2 * d) * 4 + 2 * widest * widest * 4 + 4 * biggest * 4
+            )
     layers = sum(v for k, v in est.items() if k in ("one layer", "activations", "method"))
     est["total"] = est["base"] + est["shard"] + max(est["embedding"], layers)
     return est
@@ -238,7 +249,10 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     with capture_inputs(layer, names, keep):
         hidden = runner(layer, hidden)  # the float layer's output feeds the next layer
     inputs = {n: torch.cat(v) for n, v in kept.items()}
-    return awq_quantize_layer(layer, inputs, opts.qconfig, model_type, n_grid=opts.awq_grid), hidden
+    q = awq_quantize_layer(
+        layer, inputs, opts.qconfig, model_type, n_grid=opts.awq_grid, screen_tokens=opts.awq_screen
+    )
+    return q, hidden
 
 
 def _gptq(layer, runner, hidden, opts, stages) -> tuple[dict[str, QuantizedWeight], torch.Tensor]:
@@ -317,9 +331,11 @@ def quantize(
             _write_layer(writer, layer, qws, i, report)
             del layer
             release(loaded.weights)
+            trim_heap()  # the layer's freed temporaries, not kept mapped for the next one
             advance()
         for name in _dense_names(loaded):
-            writer.add_dense(name, loaded.weights.get(name))
+            # in the checkpoint's dtype row chunk by row chunk: no float32 table beside it
+            writer.add_dense(name, rows_as(loaded.weights, name, writer.dtype))
             release(loaded.weights)
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()

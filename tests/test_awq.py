@@ -16,6 +16,7 @@ from edgellm.quantize.awq import (
     fake_quantize,
     group_output_error,
     search_clip,
+    search_scale,
 )
 from edgellm.quantize.rtn import QuantConfig, quantize_rtn
 from tests.conftest import ours_from_hf, tiny_hf_model
@@ -268,3 +269,44 @@ def test_fake_quantize_matches_rtn_and_clip_never_hurts(config):
         for c in (1.0, clip)
     }
     assert (err[clip] <= err[1.0]).all() and err[clip].sum() < err[1.0].sum()
+
+
+@pytest.mark.parametrize("group_index", [2, 3])  # the MLP (module output), up -> down (direct)
+def test_screened_scale_search_scores_few_candidates_on_every_token(group_index):
+    """With screening, every candidate is scored on a few tokens and only the best
+    `screen_keep` plus RTN on all: on outlier activations it picks what scoring every
+    candidate on every token picks, and without screening all are scored on all."""
+    import edgellm.quantize.awq as awq
+
+    layer = tiny_layer("llama", **MHA)
+    group = _scale_groups("llama")[group_index]
+    width = layer.get_submodule(group.linears[0]).in_features
+    if group.inspect:  # costs per token whatever the shapes
+        x = layer_input(width, seed=4)
+    else:  # direct (per token) only with fewer tokens than inputs: 96 < 128
+        x = torch.randn(96, width, generator=torch.Generator().manual_seed(4)).abs() * 3
+        x[:, [5, 70]] *= 30
+    config = QuantConfig(bits=3, group_size=16)
+    calls: list[int] = []
+
+    def counting(layer_, group_, x_, weights):
+        fn = _loss_fn(layer_, group_, x_, weights)
+
+        def scored(cand):
+            calls.append(x_.shape[0])
+            return fn(cand)
+
+        return scored
+
+    picks = {}
+    for screen in (0, 48):
+        calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(awq, "_loss_fn", counting)
+            picks[screen] = search_scale(layer, group, x, config, 10, screen, 2)
+        if screen == 0:
+            assert calls == [x.shape[0]] * 10
+        else:
+            assert calls.count(48) == 10 and calls.count(x.shape[0]) <= 3
+    assert torch.equal(picks[0], picks[48])
+

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgellm.errors import InvalidParameterError
-from edgellm.quantize.gptq import GPTQError, HessianAccumulator, gptq_quantize, output_error
+from edgellm.quantize.gptq import (
+    GPTQError,
+    HessianAccumulator,
+    _inverse_hessian_factor,
+    gptq_quantize,
+    output_error,
+)
 from edgellm.quantize.rtn import QuantConfig, compute_qparams, quantize_rtn, quantize_values
 
 CONFIGS = [
@@ -194,6 +200,26 @@ def test_indefinite_hessian_retries_with_more_damping(layer, caplog):
         qw = gptq_quantize(w, H, QuantConfig(4, 32))
     assert torch.isfinite(qw.dequantize()).all()
     assert len(caplog.records) == 1 and "retrying at 0.1" in caplog.text
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_inverse_factor_computed_in_place_is_the_upper_cholesky_of_the_inverse(act_order):
+    """Factored, inverted and factored again inside one column-major copy of H: the result
+    is row-major, exactly upper triangular, U^T U = (P H P^T + d I)^-1, and H is untouched."""
+    x = correlated_inputs(512, 96, seed=3)
+    H = 2 / 512 * x.T.double() @ x.double()
+    H = H.float()
+    H[5], H[:, 5] = 0, 0  # a dead input: diagonal 1 in the copy
+    before = H.clone()
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(96)
+    U = _inverse_hessian_factor(H, perm, 0.01, (8, 96))
+    assert torch.equal(H, before)
+    assert U.is_contiguous() and torch.equal(U, torch.triu(U)) and bool((U.diagonal() > 0).all())
+    Hd = H[perm][:, perm].double()
+    Hd.diagonal()[Hd.diagonal() == 0] = 1
+    Hd.diagonal().add_(0.01 * float(torch.diag(H).mean()))
+    inv = torch.linalg.inv(Hd)
+    assert torch.allclose(U.double().T @ U.double(), inv, rtol=1e-3, atol=1e-4 * float(inv.abs().max()))
 
 
 def test_hopeless_hessian_raises_clear_error(layer):

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from edgellm.errors import ModelFormatError, TokenizerError
+from edgellm.loaders import weights
 from edgellm.loaders.model import load_model
 from edgellm.models import llama
 from edgellm.models.llama import ModelArgs, weight_shapes
@@ -152,6 +153,42 @@ def test_tiny_files_load(hf_dir, gguf_file):
         loaded = load_model(path)
         assert loaded.args.num_hidden_layers == 2 and loaded.args.head_dim == 16
         assert loaded.weights.get("model.layers.1.mlp.up_proj.weight").shape == (128, 64)
+
+
+def test_a_loaded_gguf_keeps_its_tokenizer_arrays_compactly(gguf_file):
+    """gguf-py holds two numpy views per vocabulary string for the reader's life (~370 MB at
+    Qwen's 151k tokens); a loaded model keeps the same values as Python lists instead."""
+    raw = gguf.GGUFReader(gguf_file).fields
+    kept = load_model(gguf_file).weights.reader.fields
+    big = [k for k, f in raw.items() if f.types[0] == gguf.GGUFValueType.ARRAY]
+    assert "tokenizer.ggml.tokens" in big and "tokenizer.ggml.merges" in big
+    for key in raw:
+        assert kept[key].types == list(raw[key].types), key
+        assert kept[key].contents() == raw[key].contents(), key
+        assert len(kept[key].data) == len(raw[key].data), key
+        if key in big:
+            assert not hasattr(kept[key], "parts"), key
+    assert kept["tokenizer.ggml.tokens"].contents(5) == raw["tokenizer.ggml.tokens"].contents(5)
+
+
+def test_rows_decode_alone_as_the_whole_tensor_would(hf_dir, gguf_file, monkeypatch):
+    """`gather_rows` (the calibration lookup) and `rows_as` (the 16-bit table a checkpoint
+    stores) read a few rows at a time, and give exactly the rows of `get` on every source,
+    q/k rows that GGUF permutes included."""
+    monkeypatch.setattr(weights, "ROW_CHUNK", 7)  # many chunks, a ragged last one
+    for path in (hf_dir, gguf_file):
+        source = load_model(path).weights
+        for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.weight"):
+            full = source.get(name)
+            ids = torch.tensor([0, 9, full.shape[0] - 1, 3, 9, 8])
+            assert torch.equal(weights.gather_rows(source, name, ids), full[ids].float())
+            assert torch.equal(weights.rows_as(source, name, torch.float16), full.half())
+        norm = source.get("model.norm.weight")
+        assert torch.equal(weights.rows_as(source, "model.norm.weight", torch.bfloat16), norm.bfloat16())
+    table = torch.randn(20, 4)
+    src = weights.DictSource({"e": table})
+    assert torch.equal(weights.gather_rows(src, "e", torch.tensor([19, 0])), table[[19, 0]])
+    assert weights.gather_rows(src, "e", torch.tensor([], dtype=torch.long)).shape == (0, 4)
 
 
 @pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("mistral", False)])

@@ -179,8 +179,9 @@ def test_a_quantization_over_the_memory_budget_is_refused_before_work(tiny_dir, 
 
     qwen = ModelArgs("qwen2", 1536, 8960, 28, 12, 2, 151936, qkv_bias=True)
     rtn, gptq = (memory_estimate(qwen, QuantizeOptions(method=m)) for m in ("rtn", "gptq"))
-    assert "method" not in rtn and gptq["method"] >= 3 * 8960 * 8960 * 4
-    assert rtn["embedding"] == 10 * 151936 * 1536
+    assert "method" not in rtn and gptq["method"] >= 2 * 8960 * 8960 * 4
+    # untied: the 16-bit table, safetensors' copy of it and the head's table; never float32
+    assert 6 * 151936 * 1536 <= rtn["embedding"] < 7 * 151936 * 1536
 
     def layers(est):  # the layer phase (the embedding phase is the same for every method)
         return sum(est.get(k, 0) for k in ("one layer", "activations", "method"))

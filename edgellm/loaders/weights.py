@@ -29,6 +29,45 @@ class WeightSource(Protocol):
 
     def get(self, name: str) -> torch.Tensor: ...
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a 2-D tensor, decoded alone (not the whole tensor)."""
+        ...
+
+
+ROW_CHUNK = 4096  # rows decoded at once by `gather_rows` / `rows_as` (25 MB of float32 at 1536)
+
+
+def gather_rows(source: WeightSource, name: str, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), cols]: rows `ids` of a 2-D tensor (an embedding lookup), decoding
+    ROW_CHUNK rows at a time, never the whole table (Qwen's 151,936 x 1536 is 933 MB)."""
+    n = source.info(name).shape[0]
+    out = None
+    for a in range(0, n, ROW_CHUNK):
+        b = min(a + ROW_CHUNK, n)
+        sel = ((ids >= a) & (ids < b)).nonzero().squeeze(1)
+        if sel.numel() == 0:
+            continue
+        block = source.rows(name, a, b).float()
+        if out is None:
+            out = torch.empty(ids.numel(), block.shape[1])
+        out[sel] = block[ids[sel] - a]
+    if out is None:  # no ids
+        return torch.empty(0, source.info(name).shape[1])
+    return out
+
+
+def rows_as(source: WeightSource, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor in `dtype`, converted ROW_CHUNK rows at a time: a 16-bit embedding table
+    without its float32 copy beside it."""
+    shape = source.info(name).shape
+    if len(shape) != 2:
+        return source.get(name).to(dtype)
+    out = torch.empty(shape, dtype=dtype)
+    for a in range(0, shape[0], ROW_CHUNK):
+        b = min(a + ROW_CHUNK, shape[0])
+        out[a:b] = source.rows(name, a, b)
+    return out
+
 
 def layer_prefix(i: int) -> str:
     return f"model.layers.{i}."
@@ -55,6 +94,9 @@ class SafetensorsSource:
     def get(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._where[name].get_slice(name)[start:stop]
+
 
 class DictSource:
     """Tensors already in memory (tests, freshly built models)."""
@@ -73,3 +115,6 @@ class DictSource:
 
     def get(self, name: str) -> torch.Tensor:
         return self._t[name]
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._t[name][start:stop]
