@@ -54,6 +54,8 @@ def awq_quantize_layer(
     sample_tokens: int | None = 4096,
     screen_tokens: int = 1024,
     screen_keep: int = 3,
+    guard_tokens: int = 1024,
+    protect: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """AWQ-quantize every linear of `layer`; returns the codes per linear name.
 
@@ -63,10 +65,15 @@ def awq_quantize_layer(
     n_grid: alpha steps in [0, 1); clip_grid: clip factors in [1 - max_shrink, 1]
     (max_shrink=0 disables clipping); sample_tokens: evenly spaced tokens used for
     the searches (None: all); screen_tokens, screen_keep: see `search_scale` (0: every
-    candidate scored on every token).
+    candidate scored on every token); guard_tokens: evenly spaced tokens on which each
+    output row's clipped weights must not raise the row's whole output error (see
+    `guard_clip`; 0: no guard); protect: per linear, the inputs [n, in] of tokens left out
+    of the searches whose outputs the clips must not worsen either (attention sinks).
     """
     groups = _scale_groups(model_type)
     _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
+    if guard_tokens < 0:
+        raise InvalidParameterError(f"guard_tokens must be >= 0, got {guard_tokens}")
     if screen_tokens < 0 or screen_keep < 1:
         raise InvalidParameterError(
             f"screen_tokens must be >= 0 and screen_keep >= 1, got {screen_tokens}, {screen_keep}"
@@ -87,6 +94,10 @@ def awq_quantize_layer(
             for name in group.linears:
                 w = layer.get_submodule(name).weight
                 clip = search_clip(w, x, config, clip_grid, max_shrink)
+                if guard_tokens:
+                    keep = protect.get(name) if protect else None
+                    keep = None if keep is None else keep.float() / s
+                    clip = guard_clip(w, _evenly(x, guard_tokens), config, clip, keep)
                 out[name] = quantize_rtn(w, config.for_features(w.shape[1]), clip=clip)
     return out
 
@@ -118,10 +129,7 @@ def _group_input(inputs: dict[str, torch.Tensor], group: ScaleGroup, n: int | No
         raise InvalidParameterError(f"AWQ needs the captured inputs of {name!r}")
     x = inputs[name].detach().float()
     x = x.reshape(-1, x.shape[-1])  # [n_tokens, in]
-    if n is None or x.shape[0] <= n:
-        return x
-    idx = torch.linspace(0, x.shape[0] - 1, n).round().long()  # evenly spaced
-    return x[idx]
+    return x if n is None else _evenly(x, n)
 
 
 def _scale_group(
@@ -179,8 +187,7 @@ def search_scale(
     loss_fn = _loss_fn(layer, group, x, weights)
     scored = range(n_grid)
     if 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x) and n_grid > screen_keep + 1:
-        idx = torch.linspace(0, x.shape[0] - 1, screen_tokens).round().long()
-        rough_fn = _loss_fn(layer, group, x[idx], weights)
+        rough_fn = _loss_fn(layer, group, _evenly(x, screen_tokens), weights)
         rough = [rough_fn(quantized(s)) for s in cands]
         scored = sorted({0, *sorted(range(n_grid), key=lambda i: (rough[i], i))[:screen_keep]})
     losses = {i: loss_fn(quantized(cands[i])) for i in scored}
@@ -297,6 +304,43 @@ def search_clip(
         best_err = torch.where(better, err, best_err)
         best_clip = torch.where(better, c, best_clip)
     return best_clip
+
+
+def guard_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    config: QuantConfig,
+    clip: torch.Tensor | float,
+    protect: torch.Tensor | None = None,
+) -> torch.Tensor | float:
+    """Keep a row's searched clip only where it does not raise that row's output error.
+
+    `search_clip` scores each weight group alone, so it cannot see errors that add up across
+    a row's groups. On tokens whose inputs line up with the weights that is what happens:
+    Qwen2.5-1.5B's layer-2 down_proj writes the first token's massive activation (7,000x
+    the other tokens' update), and clipping every group of those rows a little doubles
+    that token's output error while lowering the per-group sums. Here the whole output
+    error of each row, sum over tokens of (x . d_row)^2, with and without the clip decides;
+    with `protect` [m, in] (tokens the searches left out), the row's error on those must not
+    rise either.
+    """
+    if not isinstance(clip, torch.Tensor):
+        return clip
+    ds = [fake_quantize(w, config, c).sub_(w.float()) for c in (clip, 1.0)]
+    keep = torch.ones(w.shape[0], dtype=torch.bool, device=w.device)
+    for t in (x, protect):
+        if t is not None and t.shape[0]:
+            t = t.to(w.device, torch.float32)
+            errs = [(t @ d.T).pow_(2).sum(0) for d in ds]
+            keep &= errs[0] <= errs[1]
+    return torch.where(keep[:, None], clip, torch.ones_like(clip))
+
+
+def _evenly(x: torch.Tensor, n: int) -> torch.Tensor:
+    """n evenly spaced rows of x (all of them when it has no more)."""
+    if x.shape[0] <= n:
+        return x
+    return x[torch.linspace(0, x.shape[0] - 1, n).round().long()]
 
 
 def group_output_error(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:

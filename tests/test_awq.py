@@ -9,15 +9,19 @@ import torch
 from torch import nn
 
 from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
+from edgellm.quantize import pipeline
 from edgellm.quantize.awq import (
     _loss_fn,
     _scale_groups,
     awq_quantize_layer,
     fake_quantize,
     group_output_error,
+    guard_clip,
     search_clip,
     search_scale,
 )
+from edgellm.quantize.layerwise import LayerRunner
+from edgellm.quantize.pipeline import QuantizeOptions, _stages, quantize_layer
 from edgellm.quantize.rtn import QuantConfig, quantize_rtn
 from tests.conftest import ours_from_hf, tiny_hf_model
 
@@ -271,6 +275,39 @@ def test_fake_quantize_matches_rtn_and_clip_never_hurts(config):
     assert (err[clip] <= err[1.0]).all() and err[clip].sum() < err[1.0].sum()
 
 
+def test_clip_guard_reverts_rows_whose_whole_output_error_the_clip_raises():
+    # every group has outliers, and a few tokens line up with row 0's: clipping each of row
+    # 0's groups lowers the per-group errors, but on those tokens the shrunken outliers add
+    # up across the groups (as in Qwen2.5's massive first-token activations)
+    config = QuantConfig(bits=4, group_size=32)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 256, generator=g)
+    w[:, ::16] *= 4
+    x = torch.randn(512, 256, generator=g)
+    x[::128] = 8 * torch.sign(w[0]) * (w[0].abs() > 3)
+    clip = search_clip(w, x, config, clip_grid=20, max_shrink=0.5)
+    assert isinstance(clip, torch.Tensor) and (clip < 1).any(1).all()  # every row clipped
+
+    guarded = guard_clip(w, x, config, clip)
+    reverted = (guarded == 1).all(1)
+    assert reverted[0] and reverted.sum() <= 4  # row 0, not the rows the clip helps
+
+    def row_error(c):
+        return (x @ (fake_quantize(w, config, c) - w).T).pow(2).sum(0)
+
+    assert (row_error(guarded) <= torch.minimum(row_error(clip), row_error(1.0))).all()
+    assert row_error(clip)[0] > row_error(1.0)[0]
+    assert torch.equal(guarded[~reverted], clip[~reverted])
+    assert guard_clip(w, x, config, 1.0) == 1.0
+
+    # the same tokens left out of the sample (sinks) but protected: row 0 keeps its range
+    sinks, ordinary = x[::128], x[torch.arange(512) % 128 != 0]
+    clip = search_clip(w, ordinary, config, clip_grid=20, max_shrink=0.5)
+    assert (guard_clip(w, ordinary, config, clip) < 1).any(1)[0]
+    protected = guard_clip(w, ordinary, config, clip, protect=sinks)
+    assert (protected[0] == 1).all() and (protected < 1).any(1).sum() >= 8
+
+
 @pytest.mark.parametrize("group_index", [2, 3])  # the MLP (module output), up -> down (direct)
 def test_screened_scale_search_scores_few_candidates_on_every_token(group_index):
     """With screening, every candidate is scored on a few tokens and only the best
@@ -310,3 +347,38 @@ def test_screened_scale_search_scores_few_candidates_on_every_token(group_index)
             assert calls.count(48) == 10 and calls.count(x.shape[0]) <= 3
     assert torch.equal(picks[0], picks[48])
 
+
+
+def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
+    # position 0's residual 200x the others', as Qwen2.5's attention sinks from layer 2 on:
+    # its squared errors would dominate every search, though RMSNorm divides them away
+    hf, cfg = tiny_hf_model("llama")
+    model = ours_from_hf(hf, cfg)
+    layer, args = model.model.layers[0], model.args
+    N, L, D = 8, 16, args.hidden_size
+    hidden = torch.randn(N, L, D, generator=torch.Generator().manual_seed(0))
+    hidden[:, 0] *= 200
+    with torch.no_grad():  # what q_proj sees, before AWQ folds scales into the norm
+        normed = layer.input_layernorm(hidden.reshape(-1, D))
+    seen = {}
+    real = pipeline.awq_quantize_layer
+
+    def spy(layer, inputs, *args, **kwargs):
+        seen.update(inputs)
+        seen["protect"] = kwargs["protect"]
+        return real(layer, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "awq_quantize_layer", spy)
+    opts = QuantizeOptions(method="awq", group_size=32, awq_tokens=96)  # 3 in 4 tokens
+    quantize_layer(layer, LayerRunner(args, L, chunk=2), hidden, opts, "llama", _stages(args))
+
+    x = seen["self_attn.q_proj"]
+    assert x.shape[0] == 96  # the quota, refilled from the spare sample
+    rows = torch.cdist(x, normed).argmin(1)  # the token each sampled row came from
+    torch.testing.assert_close(x, normed[rows])
+    assert len(set(rows.tolist())) == 96 and not (rows % L == 0).any()
+    protect = seen.pop("protect")
+    assert all(v.shape[0] == 96 for v in seen.values())
+    # ... yet their outputs are what the clip guard protects: every sequence's position 0
+    torch.testing.assert_close(protect["self_attn.q_proj"], normed[::L])
+    assert all(v.shape[0] == N for v in protect.values())
