@@ -26,7 +26,10 @@ from the same float weights.
    stdin: the process's peak RSS.
 
 Steps are cached in the work directory (results.json): a rerun skips what is done
-(`--redo TEXT` repeats the steps whose names contain TEXT).
+(`--redo TEXT` repeats the steps whose names contain TEXT). On a fresh machine,
+`--seed bench/results/scale.json` starts that cache from the committed results, so that only
+the steps `--redo` names run again (their rows' files are not there: a seeded row keeps its
+recorded type and size).
 
     python bench/bench_scale.py                  # writes bench/results/scale.{json,md,png}
 """
@@ -121,9 +124,9 @@ def step_ours(ctx, method: str, group: int) -> dict:
     ckpt = ctx.work / name
     q = measured(
         ctx.work / f"{name}.json", "edgellm", "quantize", str(ctx.src), "-o", str(ckpt),
-        "--method", method, "--group-size", str(group), "--force",
+        "--method", method, "--group-size", str(group), "--calib", ctx.args.calib, "--force",
     )  # fmt: skip
-    return {"checkpoint": str(ckpt), **q}
+    return {"checkpoint": str(ckpt), "calib": ctx.args.calib if method != "rtn" else "", **q}
 
 
 def step_export(ctx, ckpt: str) -> dict:
@@ -304,6 +307,22 @@ def step_chat(ctx, gguf: str) -> dict:
 
 
 # ---- driver -------------------------------------------------------------------------------------
+def seed_cache(path: Path) -> dict:
+    """Step results from an earlier run's scale.json, keyed as `run` keys its steps."""
+    old = json.loads(Path(path).read_text())
+    out = {}
+    for name, row in old["rows"].items():
+        if name.startswith("float"):
+            keys = ["float", f"ppl {name}"]
+        elif name.startswith("llama.cpp"):
+            keys = [name, f"ppl {name}"]
+        else:
+            keys = [name, f"export {name}", f"ppl {name}"]
+        out.update({k: dict(row, seeded=True) for k in keys})
+    out.update({k: old[k] for k in ("decode", "chat", "backends") if k in old})
+    return out
+
+
 class Ctx:
     def __init__(self, args):
         from edgellm.registry import resolve_model
@@ -314,12 +333,17 @@ class Ctx:
         self.src = resolve_model(args.model)
         self.f16 = self.work / "f16.gguf"
         self.cache_file = self.work / "results.json"
-        self.results = json.loads(self.cache_file.read_text()) if self.cache_file.exists() else {}
+        self.fresh: set[str] = set()  # steps run by this invocation
+        if self.cache_file.exists():
+            self.results = json.loads(self.cache_file.read_text())
+        else:
+            self.results = seed_cache(args.seed) if args.seed else {}
 
     def step(self, key: str, fn, *a):
         if key in self.results and not any(r in key for r in self.args.redo):
             return self.results[key]
         print(f"== {key}", flush=True)
+        self.fresh.add(key)
         self.results[key] = fn(self, *a)
         self.cache_file.write_text(json.dumps(self.results, indent=2))
         return self.results[key]
@@ -343,9 +367,13 @@ def run(args) -> dict:
         res["chat"] = ctx.step("chat", step_chat, awq32["path"])
     for name, row in rows.items():
         row.update(ctx.step(f"ppl {name}", step_ppl, row["path"]))
-        row.update(dense_types(row["path"]))
+        if Path(row["path"]).exists() or "embd_head" not in row:  # else a seeded row's record
+            row.update(dense_types(row["path"]))
     if awq128:
         res["backends"] = ctx.step("backends", step_backends, awq128["checkpoint"], awq128["path"])
+    if args.seed:
+        res["seeded_from"] = str(args.seed)
+        res["rerun"] = sorted(ctx.fresh)
     return res
 
 
@@ -366,18 +394,25 @@ def markdown(res: dict, command: str) -> str:
     lines = [
         f"Qwen2.5-Coder-1.5B-Instruct on this machine ({os.cpu_count()} cores); `{command}`.",
         "",
-        "| model | bits/weight (linears) | embeddings / head | file MiB | ppl sotu | "
+        "| model | calibration | bits/weight (linears) | embeddings / head | file MiB | ppl sotu | "
         "ppl shakespeare | RTN loss recovered (sotu / shakespeare) | quantize s | peak RSS MiB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
         rec = [recovered(rows, name, t) for t in TEXTS]
         rec_s = " / ".join(f"{x:.0%}" for x in rec if x is not None)
+        # runs before --calib existed in this bench calibrated on sotu, the default then
+        calib = r.get("calib", "sotu" if name.split("-")[0] in ("awq", "gptq") else "")
         lines.append(
-            f"| {name} | {r['bits']:.2f} | {r['embd_head']} | {r['file_mib']:.0f} | "
+            f"| {name}{' *' if r.get('seeded') else ''} | {calib} | {r['bits']:.2f} | "
+            f"{r['embd_head']} | {r['file_mib']:.0f} | "
             f"{r['sotu']:.3f} | {r['shakespeare']:.3f} | {rec_s} | "
             f"{r.get('seconds', float('nan')):.0f} | {r.get('peak_rss_mb', float('nan')):.0f} |"
         )
+    if res.get("seeded_from"):
+        lines += ["", f"\\* from the earlier run this one was seeded with (`--seed "
+                  f"{res['seeded_from']}`), not rerun; rerun here: {', '.join(res['rerun'])}. "
+                  "Decode, chat and the backends are from that run unless listed."]  # fmt: skip
     if d := res.get("decode"):
         b = d["bytes_per_token"]
         bw = d["read_bytes_per_s"]
@@ -463,6 +498,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--redo", nargs="*", default=[], help="run again every step whose name contains one of these (e.g. gptq: the "
                     "quantization, export and perplexity of both GPTQ rows)")
     ap.add_argument("--work-dir", default="/tmp/edgellm-bench-scale")
+    ap.add_argument("--calib", default="mix", help="calibration text of AWQ and GPTQ")
+    ap.add_argument("--seed", type=Path, help="an earlier scale.json: the cache starts from it")
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
     command = "python " + shlex.join(["bench/bench_scale.py", *argv])

@@ -56,6 +56,7 @@ def awq_quantize_layer(
     screen_keep: int = 3,
     guard_tokens: int = 1024,
     protect: dict[str, torch.Tensor] | None = None,
+    protect_share: float = 0.0,
 ) -> dict[str, QuantizedWeight]:
     """AWQ-quantize every linear of `layer`; returns the codes per linear name.
 
@@ -68,7 +69,10 @@ def awq_quantize_layer(
     candidate scored on every token); guard_tokens: evenly spaced tokens on which each
     output row's clipped weights must not raise the row's whole output error (see
     `guard_clip`; 0: no guard); protect: per linear, the inputs [n, in] of tokens left out
-    of the searches whose outputs the clips must not worsen either (attention sinks).
+    of the searches whose outputs the clips must not worsen either (attention sinks);
+    protect_share: the share of all calibration tokens they stand for: the scales' activation
+    statistic mean|x| counts them at that share (left out of it, channels that only the sinks
+    use get scales < 1 and the sinks' outputs through them lose their precision).
     """
     groups = _scale_groups(model_type)
     _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
@@ -84,9 +88,12 @@ def awq_quantize_layer(
         xs = [_group_input(inputs, group, sample_tokens) for group in groups]  # [n, in] each
         for name in (name for group in groups for name in group.linears):
             config.for_features(layer.get_submodule(name).in_features)
+        if not 0 <= protect_share < 1:
+            raise InvalidParameterError(f"protect_share must be in [0, 1), got {protect_share}")
+        means = [_mean_abs(x, g, protect, protect_share) for g, x in zip(groups, xs, strict=True)]
         scales = [
-            _scale_group(layer, g, x, config, n_grid, screen)
-            for g, x in zip(groups, xs, strict=True)
+            _scale_group(layer, g, x, config, n_grid, screen, m, (protect or {}).get(g.linears[0]))
+            for g, x, m in zip(groups, xs, means, strict=True)
         ]
         out: dict[str, QuantizedWeight] = {}
         for group, x, s in zip(groups, xs, scales, strict=True):  # after all folds: final weights
@@ -132,6 +139,18 @@ def _group_input(inputs: dict[str, torch.Tensor], group: ScaleGroup, n: int | No
     return x if n is None else _evenly(x, n)
 
 
+def _mean_abs(
+    x: torch.Tensor, group: ScaleGroup, protect: dict[str, torch.Tensor] | None, share: float
+) -> torch.Tensor:  # [in]
+    """mean|x| over all calibration tokens: the sample's, mixed with the protected tokens'
+    at their share."""
+    mean = x.abs().mean(0)
+    extra = protect.get(group.linears[0]) if protect else None
+    if extra is None or not extra.shape[0] or share == 0:
+        return mean
+    return (1 - share) * mean + share * extra.float().abs().mean(0)
+
+
 def _scale_group(
     layer: nn.Module,
     group: ScaleGroup,
@@ -139,6 +158,8 @@ def _scale_group(
     config: QuantConfig,
     n_grid: int,
     screen: tuple[int, int] = (0, 1),
+    x_mean: torch.Tensor | None = None,
+    protect: torch.Tensor | None = None,
 ) -> torch.Tensor:  # s [in]
     """Search the group's scales and fold them in; ones when the shapes forbid folding."""
     prev = layer.get_submodule(group.prev)
@@ -151,7 +172,7 @@ def _scale_group(
             group.prev, ",".join(group.linears), width, linears[0].in_features, why,
         )  # fmt: skip
         return torch.ones(x.shape[1], device=x.device)
-    s = search_scale(layer, group, x, config, n_grid, *screen)
+    s = search_scale(layer, group, x, config, n_grid, *screen, x_mean=x_mean, protect=protect)
     fold_scale(prev, linears, s)
     return s
 
@@ -164,8 +185,13 @@ def search_scale(
     n_grid: int,
     screen_tokens: int = 0,
     screen_keep: int = 3,
+    x_mean: torch.Tensor | None = None,
+    protect: torch.Tensor | None = None,
 ) -> torch.Tensor:  # s [in]
-    """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE.
+    """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE
+    on x (mean|x| over x unless `x_mean` gives it). With `protect` [m, in] (tokens left out
+    of x: the attention sinks), only candidates whose output error on those tokens stays
+    within SINK_SLACK of plain RTN's (alpha 0) are admitted.
 
     Where a candidate's loss costs time in proportion to the tokens (a module's output, or
     a linear wider than the tokens, such as down_proj), every candidate is first scored on
@@ -175,7 +201,7 @@ def search_scale(
     """
     linears = [layer.get_submodule(n) for n in group.linears]
     weights = [lin.weight.float() for lin in linears]  # [out_i, in]
-    x_mean = x.abs().mean(0)  # [in]
+    x_mean = x.abs().mean(0) if x_mean is None else x_mean  # [in]
     cands = []
     for i in range(n_grid):
         s = x_mean.pow(i / n_grid).clamp(min=1e-4)
@@ -185,16 +211,25 @@ def search_scale(
         return [fake_quantize(w, config, col_scale=s) for w in weights]
 
     loss_fn = _loss_fn(layer, group, x, weights)
-    scored = range(n_grid)
-    if 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x) and n_grid > screen_keep + 1:
+    admitted = list(range(n_grid))
+    if protect is not None and protect.shape[0]:
+        sink_fn = _loss_fn(layer, group, protect.to(x.device, torch.float32), weights)
+        sink = [sink_fn(quantized(s)) for s in cands]
+        admitted = [i for i in admitted if sink[i] <= sink[0] * (1 + SINK_SLACK)]
+    scored = admitted
+    if 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x) and len(admitted) > screen_keep + 1:
         rough_fn = _loss_fn(layer, group, _evenly(x, screen_tokens), weights)
-        rough = [rough_fn(quantized(s)) for s in cands]
-        scored = sorted({0, *sorted(range(n_grid), key=lambda i: (rough[i], i))[:screen_keep]})
+        rough = {i: rough_fn(quantized(cands[i])) for i in admitted}
+        scored = sorted({0, *sorted(rough, key=lambda i: (rough[i], i))[:screen_keep]})
     losses = {i: loss_fn(quantized(cands[i])) for i in scored}
     best = min(losses, key=lambda i: (losses[i], i))  # alpha 0 (plain RTN) on ties
     ratio = losses[best] / losses[0] if losses[0] > 0 else 1.0
     log.info("AWQ %s: alpha %.2f, output error %.3fx RTN", group.prev, best / n_grid, ratio)
     return cands[best]
+
+
+# a scale candidate may raise the protected (sink) tokens' output error by this share over RTN's
+SINK_SLACK = 0.0
 
 
 def _costs_per_token(group: ScaleGroup, x: torch.Tensor) -> bool:

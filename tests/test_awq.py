@@ -12,6 +12,7 @@ from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
 from edgellm.quantize import pipeline
 from edgellm.quantize.awq import (
     _loss_fn,
+    _mean_abs,
     _scale_groups,
     awq_quantize_layer,
     fake_quantize,
@@ -306,6 +307,41 @@ def test_clip_guard_reverts_rows_whose_whole_output_error_the_clip_raises():
     assert (guard_clip(w, ordinary, config, clip) < 1).any(1)[0]
     protected = guard_clip(w, ordinary, config, clip, protect=sinks)
     assert (protected[0] == 1).all() and (protected < 1).any(1).sum() >= 8
+
+
+def test_scale_statistic_counts_the_left_out_sinks_at_their_share():
+    """A channel only the sinks use: searched on the other tokens alone, its scale is tiny and
+    the sinks' outputs through it lose their precision (SmolLM2's AWQ fell below RTN so);
+    counted at its share in mean|x|, the sinks' error shrinks and the others' barely moves."""
+    config = QuantConfig(bits=4, group_size=32)
+    layer = tiny_layer("llama", **MHA)
+    group = _scale_groups("llama")[0]  # input_layernorm -> q, k, v
+    hidden = layer.self_attn.q_proj.in_features
+    x = layer_input(hidden, seed=6)
+    x[:, 5] *= 1e-3  # idle for the ordinary tokens
+    sinks = torch.zeros(4, hidden)
+    sinks[:, 5] = 60.0
+    share = 4 / 2048
+    stats = _mean_abs(x, group, {group.linears[0]: sinks}, share)
+    assert torch.allclose(stats, (1 - share) * x.abs().mean(0) + share * sinks.abs().mean(0))
+    assert torch.equal(_mean_abs(x, group, None, share), x.abs().mean(0))
+
+    def errors(s):  # (ordinary, sinks): summed squared output error of q, k, v
+        out = []
+        for t in (x, sinks):
+            out.append(sum(float((t @ (fake_quantize(lin.weight, config, col_scale=s)
+                                      - lin.weight).T).pow(2).sum())
+                           for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                       layer.self_attn.v_proj)))  # fmt: skip
+        return out
+
+    with torch.no_grad():
+        alone = errors(search_scale(copy.deepcopy(layer), group, x, config, n_grid=10))
+        counted = errors(search_scale(copy.deepcopy(layer), group, x, config, 10, x_mean=stats))
+        rtn = errors(torch.ones(hidden))
+    assert alone[1] > 4 * rtn[1]  # the failure: the sinks lose far more than under RTN
+    assert counted[1] < alone[1] / 4
+    assert counted[0] < 1.1 * alone[0] and counted[0] < rtn[0]
 
 
 @pytest.mark.parametrize("group_index", [2, 3])  # the MLP (module output), up -> down (direct)

@@ -6,7 +6,7 @@ import pytest
 
 from edgellm.errors import InvalidParameterError
 from edgellm.loaders.texts import text_documents
-from edgellm.quantize.calibration import calibration_documents, calibration_tokens
+from edgellm.quantize.calibration import calibration_documents, calibration_tokens, token_stream
 from tests.conftest import byte_tokenizer
 
 
@@ -14,6 +14,26 @@ def test_sotu_calibration_never_overlaps_the_evaluation_split():
     calib = set(calibration_documents("sotu"))
     held_out = set(text_documents("sotu"))
     assert calib and held_out and not calib & held_out
+
+
+def test_shakespeare_calibration_is_the_other_half_of_the_works():
+    calib = calibration_documents("shakespeare")
+    held_out = text_documents("shakespeare")
+    assert calib and held_out and not set(calib) & set(held_out)
+    assert abs(len(calib) - len(held_out)) <= 1  # alternate works, not one era or genre
+    assert len(calib) + len(held_out) == len(set(calib) | set(held_out))
+
+
+def test_the_mix_draws_alternately_from_both_calibration_splits():
+    tok = byte_tokenizer()
+    windows = calibration_tokens(tok, "mix", n_samples=6, seq_len=48, seed=3)
+    sotu, plays = bytes(token_stream(tok, "sotu")), bytes(token_stream(tok, "shakespeare"))
+    for i, w in enumerate(windows):
+        assert len(w) == 48
+        home, other = (sotu, plays) if i % 2 == 0 else (plays, sotu)
+        assert bytes(w) in home and bytes(w) not in other
+    evaluation = {d.encode() for d in text_documents("sotu") + text_documents("shakespeare")}
+    assert not any(bytes(w) in d for w in windows for d in evaluation)
 
 
 def test_windows_are_seeded_and_sized():

@@ -203,7 +203,7 @@ def test_bad_options_are_one_clear_error_and_write_nothing(tmp_path):
             distill(str(src), out, opts, progress=False)
         assert not out.exists() and not (tmp_path / "bad.distill-work").exists()
     with pytest.raises(InvalidParameterError, match="is the training text"):
-        distill(str(src), out, int_options(calib="shakespeare"), eval_text="shakespeare")
+        distill(str(src), out, int_options(calib="shakespeare"), eval_text="shakespeare-calib")
     with pytest.raises(InvalidParameterError, match="no saved state"):
         distill(str(src), out, int_options(), progress=False, resume=True)
     (tmp_path / "exists").mkdir()

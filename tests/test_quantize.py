@@ -162,6 +162,24 @@ def test_smollm2_checkpoint_loads_in_transformers_with_identical_logits(tmp_path
     assert "Paris" in answer
 
 
+@pytest.mark.slow
+def test_awq_beats_rtn_on_the_real_smollm2(tmp_path):
+    """End to end on the real model, with a small calibration: AWQ's checkpoint scores a
+    lower held-out perplexity than RTN's on both texts at W4 g128. AWQ once fell below RTN
+    here (sink tokens left out of its scale search: 33.2 vs 31.5 on sotu) while every test
+    on random layers passed."""
+    from edgellm.entrypoints.llm import measure_ppl
+
+    opts = {"group_size": 128, "n_samples": 8, "seq_len": 256, "awq_tokens": 2048}
+    ppl = {}
+    for method in ("rtn", "awq"):
+        out = tmp_path / method
+        quantize(None, str(out), QuantizeOptions(method=method, **opts), progress=False)
+        ppl[method] = {t: measure_ppl(str(out), t, 2048) for t in ("sotu", "shakespeare")}
+    for text in ("sotu", "shakespeare"):
+        assert ppl["awq"][text] < 0.95 * ppl["rtn"][text], ppl
+
+
 def test_a_quantization_over_the_memory_budget_is_refused_before_work(tiny_dir, tmp_path):
     from edgellm.quantize.pipeline import MB, memory_estimate
 

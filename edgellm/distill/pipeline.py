@@ -54,9 +54,9 @@ from edgellm.distill.prune import check_options as check_prune
 from edgellm.errors import InvalidParameterError
 from edgellm.fsutil import atomic_path, check_output, terminate_raises
 from edgellm.loaders.model import LoadedModel, load_model
-from edgellm.loaders.texts import BUILTIN, load_text
+from edgellm.loaders.texts import BUILTIN, load_text, text_documents
 from edgellm.quantize.build import build_model
-from edgellm.quantize.calibration import CALIBRATION_SPLITS, token_stream
+from edgellm.quantize.calibration import calibration_documents, token_stream
 from edgellm.quantize.format import QuantConfig
 from edgellm.quantize.pipeline import (
     METHODS,
@@ -254,9 +254,12 @@ def distill(
     the student's perplexity on its first `eval_tokens` tokens, in `seq_len` windows."""
     opts = options or DistillOptions()
     check_options(opts)
-    if eval_text is not None and CALIBRATION_SPLITS.get(opts.calib, opts.calib) == eval_text:
+    if eval_text is not None and set(calibration_documents(opts.calib)) & set(
+        text_documents(eval_text)
+    ):
         raise InvalidParameterError(
-            f"--eval-text {eval_text} is the training text {opts.calib}: choose another"
+            f"--eval-text {eval_text} is the training text {opts.calib} (or part of it): "
+            "choose another"
         )
     t0 = time.perf_counter()
     check_output(out_dir, force, source=resolve_model(teacher), is_dir=True)

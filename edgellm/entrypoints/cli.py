@@ -452,7 +452,9 @@ def quantize(
     sym: Annotated[
         bool, typer.Option("--sym/--asym", help="symmetric or asymmetric groups")
     ] = True,
-    calib: Annotated[str, typer.Option(help="sotu | shakespeare | a .txt or .jsonl file")] = "sotu",
+    calib: Annotated[
+        str, typer.Option(help="mix (sotu + shakespeare) | sotu | shakespeare | a .txt or .jsonl file")
+    ] = "mix",
     samples: Annotated[int, typer.Option(help="calibration samples")] = 32,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
     seed: int = 0,

