@@ -4,7 +4,8 @@ The float reference is SmolLM2's dequantized weights (they were stored as Q4_1,
 group 32 asymmetric, so group-32 asymmetric RTN is artificially near-lossless:
 the headline is group 128). Every model is scored by the same evaluator (our
 torch backend, strided perplexity, ctx 512) on held-out State of the Union
-addresses (2000 on; calibration uses the ones before 2000) and on Shakespeare.
+addresses (2000 on) and on Shakespeare (every other work); calibration (`--calib`, default
+`mix`) draws from the addresses before 2000 and the other works.
 llama.cpp's own quantizer (`llama_model_quantize`, Q4_0 and Q4_K_M) starts from
 an F16 GGUF of the same float weights. Each quantization runs in its own process,
 so its time and peak memory are its own.
@@ -39,7 +40,8 @@ def run_one(args) -> None:
 
     method, bits, group, sym = args.one.split(",")
     opts = QuantizeOptions(
-        method, int(bits), int(group), sym == "sym", n_samples=args.samples, seq_len=args.seq_len
+        method, int(bits), int(group), sym == "sym", calib=args.calib, n_samples=args.samples,
+        seq_len=args.seq_len,
     )
     r = quantize(None, args.out, opts, force=True, progress=False)
     Path(args.out, "bench.json").write_text(
@@ -109,6 +111,7 @@ def main() -> None:
     )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--calib", default="mix", help="calibration text of AWQ and GPTQ")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=8192)
@@ -168,6 +171,8 @@ def main() -> None:
                     str(args.samples),
                     "--seq-len",
                     str(args.seq_len),
+                    "--calib",
+                    args.calib,
                 ],
                 check=True,
             )
@@ -219,6 +224,7 @@ def report(rows, args, console) -> None:
         json.dumps(
             {
                 "date": time.strftime("%Y-%m-%d %H:%M"),
+                "calib": args.calib,
                 "samples": args.samples,
                 "seq_len": args.seq_len,
                 "eval_tokens": args.eval_tokens,

@@ -333,18 +333,20 @@ class Ctx:
         self.src = resolve_model(args.model)
         self.f16 = self.work / "f16.gguf"
         self.cache_file = self.work / "results.json"
-        self.fresh: set[str] = set()  # steps run by this invocation
         if self.cache_file.exists():
             self.results = json.loads(self.cache_file.read_text())
         else:
-            self.results = seed_cache(args.seed) if args.seed else {}
+            self.results = {"_seed": str(args.seed), **seed_cache(args.seed)} if args.seed else {}
+        self.fresh = set(self.results.get("_rerun", []))  # steps run since the cache was seeded
 
     def step(self, key: str, fn, *a):
         if key in self.results and not any(r in key for r in self.args.redo):
             return self.results[key]
         print(f"== {key}", flush=True)
-        self.fresh.add(key)
         self.results[key] = fn(self, *a)
+        self.fresh.add(key)
+        if "_seed" in self.results:
+            self.results["_rerun"] = sorted(self.fresh)
         self.cache_file.write_text(json.dumps(self.results, indent=2))
         return self.results[key]
 
@@ -371,8 +373,8 @@ def run(args) -> dict:
             row.update(dense_types(row["path"]))
     if awq128:
         res["backends"] = ctx.step("backends", step_backends, awq128["checkpoint"], awq128["path"])
-    if args.seed:
-        res["seeded_from"] = str(args.seed)
+    if "_seed" in ctx.results:
+        res["seeded_from"] = ctx.results["_seed"]
         res["rerun"] = sorted(ctx.fresh)
     return res
 

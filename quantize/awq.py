@@ -211,17 +211,26 @@ def search_scale(
         return [fake_quantize(w, config, col_scale=s) for w in weights]
 
     loss_fn = _loss_fn(layer, group, x, weights)
-    admitted = list(range(n_grid))
+    screened = 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x)
+    screened = screened and n_grid > screen_keep + 1
+    # one pass over the candidates, one fake quantization each: the sinks' error (admission)
+    # and the loss on all tokens, or on the screening tokens when screened
+    first_fn = _loss_fn(layer, group, _evenly(x, screen_tokens), weights) if screened else loss_fn
+    sink_fn = None
     if protect is not None and protect.shape[0]:
         sink_fn = _loss_fn(layer, group, protect.to(x.device, torch.float32), weights)
-        sink = [sink_fn(quantized(s)) for s in cands]
-        admitted = [i for i in admitted if sink[i] <= sink[0] * (1 + SINK_SLACK)]
-    scored = admitted
-    if 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x) and len(admitted) > screen_keep + 1:
-        rough_fn = _loss_fn(layer, group, _evenly(x, screen_tokens), weights)
-        rough = {i: rough_fn(quantized(cands[i])) for i in admitted}
-        scored = sorted({0, *sorted(rough, key=lambda i: (rough[i], i))[:screen_keep]})
-    losses = {i: loss_fn(quantized(cands[i])) for i in scored}
+    first, sink = {}, {}
+    for i, s in enumerate(cands):
+        q = quantized(s)
+        first[i] = first_fn(q)
+        if sink_fn is not None:
+            sink[i] = sink_fn(q)
+    admitted = [i for i in first if not sink or sink[i] <= sink[0] * (1 + SINK_SLACK)]
+    if screened:
+        kept = sorted(admitted, key=lambda i: (first[i], i))[:screen_keep]
+        losses = {i: loss_fn(quantized(cands[i])) for i in sorted({0, *kept})}
+    else:
+        losses = {i: first[i] for i in admitted}
     best = min(losses, key=lambda i: (losses[i], i))  # alpha 0 (plain RTN) on ties
     ratio = losses[best] / losses[0] if losses[0] > 0 else 1.0
     log.info("AWQ %s: alpha %.2f, output error %.3fx RTN", group.prev, best / n_grid, ratio)
