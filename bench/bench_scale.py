@@ -320,6 +320,7 @@ def seed_cache(path: Path) -> dict:
             keys = [name, f"export {name}", f"ppl {name}"]
         out.update({k: dict(row, seeded=True) for k in keys})
     out.update({k: old[k] for k in ("decode", "chat", "backends") if k in old})
+    out["_seed_machine"] = old.get("machine", {})
     return out
 
 
@@ -375,6 +376,7 @@ def run(args) -> dict:
         res["backends"] = ctx.step("backends", step_backends, awq128["checkpoint"], awq128["path"])
     if "_seed" in ctx.results:
         res["seeded_from"] = ctx.results["_seed"]
+        res["seed_machine"] = ctx.results.get("_seed_machine", {})
         res["rerun"] = sorted(ctx.fresh)
     return res
 
@@ -412,9 +414,12 @@ def markdown(res: dict, command: str) -> str:
             f"{r.get('seconds', float('nan')):.0f} | {r.get('peak_rss_mb', float('nan')):.0f} |"
         )
     if res.get("seeded_from"):
+        m = res.get("seed_machine", {})
         lines += ["", f"\\* from the earlier run this one was seeded with (`--seed "
-                  f"{res['seeded_from']}`), not rerun; rerun here: {', '.join(res['rerun'])}. "
-                  "Decode, chat and the backends are from that run unless listed."]  # fmt: skip
+                  f"{res['seeded_from']}`: {m.get('cpu', '?')}, {m.get('date', '?')}), not rerun; "
+                  f"rerun here ({res['machine']['cpu']}): {', '.join(res['rerun'])}. Decode, "
+                  "chat and the backends are from that run unless listed; times from different "
+                  "CPUs do not compare."]  # fmt: skip
     if d := res.get("decode"):
         b = d["bytes_per_token"]
         bw = d["read_bytes_per_s"]
