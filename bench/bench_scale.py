@@ -307,18 +307,20 @@ def step_chat(ctx, gguf: str) -> dict:
 
 
 # ---- driver -------------------------------------------------------------------------------------
+EXPORT_FIELDS = ("path", "bits", "export_s", "export_peak_rss_mb")
+
+
 def seed_cache(path: Path) -> dict:
     """Step results from an earlier run's scale.json, keyed as `run` keys its steps."""
     old = json.loads(Path(path).read_text())
     out = {}
     for name, row in old["rows"].items():
-        if name.startswith("float"):
-            keys = ["float", f"ppl {name}"]
-        elif name.startswith("llama.cpp"):
-            keys = [name, f"ppl {name}"]
-        else:
-            keys = [name, f"export {name}", f"ppl {name}"]
-        out.update({k: dict(row, seeded=True) for k in keys})
+        # the step that makes the row carries the whole record (and the flag); its export and
+        # perplexity steps only their own fields, so that redoing the first keeps its figures
+        out["float" if name.startswith("float") else name] = dict(row, seeded=True)
+        if not name.startswith(("float", "llama.cpp")):
+            out[f"export {name}"] = {k: row[k] for k in EXPORT_FIELDS if k in row}
+        out[f"ppl {name}"] = {t: row[t] for t in TEXTS}
     out.update({k: old[k] for k in ("decode", "chat", "backends") if k in old})
     out["_seed_machine"] = old.get("machine", {})
     return out
