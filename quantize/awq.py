@@ -90,10 +90,12 @@ def awq_quantize_layer(
             config.for_features(layer.get_submodule(name).in_features)
         if not 0 <= protect_share < 1:
             raise InvalidParameterError(f"protect_share must be in [0, 1), got {protect_share}")
-        means = [_mean_abs(x, g, protect, protect_share) for g, x in zip(groups, xs, strict=True)]
+        # each group's protected inputs, float32 once: [m, in] or None
+        sinks = [(protect or {}).get(g.linears[0]) for g in groups]
+        sinks = [None if t is None else t.float() for t in sinks]
         scales = [
-            _scale_group(layer, g, x, config, n_grid, screen, m, (protect or {}).get(g.linears[0]))
-            for g, x, m in zip(groups, xs, means, strict=True)
+            _scale_group(layer, g, x, config, n_grid, screen, _mean_abs(x, t, protect_share), t)
+            for g, x, t in zip(groups, xs, sinks, strict=True)
         ]
         out: dict[str, QuantizedWeight] = {}
         for group, x, s in zip(groups, xs, scales, strict=True):  # after all folds: final weights
@@ -139,16 +141,13 @@ def _group_input(inputs: dict[str, torch.Tensor], group: ScaleGroup, n: int | No
     return x if n is None else _evenly(x, n)
 
 
-def _mean_abs(
-    x: torch.Tensor, group: ScaleGroup, protect: dict[str, torch.Tensor] | None, share: float
-) -> torch.Tensor:  # [in]
-    """mean|x| over all calibration tokens: the sample's, mixed with the protected tokens'
-    at their share."""
+def _mean_abs(x: torch.Tensor, sinks: torch.Tensor | None, share: float) -> torch.Tensor:
+    """mean|x| [in] over all calibration tokens: the sample's, mixed with the protected
+    tokens' (sinks [m, in]) at their share."""
     mean = x.abs().mean(0)
-    extra = protect.get(group.linears[0]) if protect else None
-    if extra is None or not extra.shape[0] or share == 0:
+    if sinks is None or not sinks.shape[0] or share == 0:
         return mean
-    return (1 - share) * mean + share * extra.float().abs().mean(0)
+    return (1 - share) * mean + share * sinks.abs().mean(0)
 
 
 def _scale_group(
@@ -218,7 +217,7 @@ def search_scale(
     first_fn = _loss_fn(layer, group, _evenly(x, screen_tokens), weights) if screened else loss_fn
     sink_fn = None
     if protect is not None and protect.shape[0]:
-        sink_fn = _loss_fn(layer, group, protect.to(x.device, torch.float32), weights)
+        sink_fn = _loss_fn(layer, group, protect.float(), weights)
     first, sink = {}, {}
     for i, s in enumerate(cands):
         q = quantized(s)

@@ -305,7 +305,7 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
 # and AWQ scored 33.2 / 67.6 against RTN's 31.5 / 64.4 (sotu / Shakespeare, 8,192 tokens).
 MASSIVE_RATIO = 10.0
 AWQ_SPARE_PER_SEQ = 4  # sampled tokens beyond the quota, per sequence, to replace them
-MAX_PROTECTED = 256  # sink tokens whose outputs AWQ's clips may not worsen, per layer
+MAX_PROTECTED = 256  # sink tokens whose outputs AWQ's scales and clips may not worsen, per layer
 
 
 def _gptq(layer, runner, hidden, opts, stages) -> tuple[dict[str, QuantizedWeight], torch.Tensor]:

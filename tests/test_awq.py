@@ -226,6 +226,15 @@ def test_bad_calls_are_rejected_before_any_change(keep, config, match):
     assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
 
 
+def test_a_bad_protected_share_is_rejected_before_any_change():
+    layer = tiny_layer("llama")
+    inputs = capture_inputs(layer, layer_input(64, seed=0), attention_mix(seed=1))
+    before = copy.deepcopy(layer.state_dict())
+    with pytest.raises(InvalidParameterError, match="protect_share"):
+        awq_quantize_layer(layer, inputs, QuantConfig(group_size=32), "llama", protect_share=1.5)
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+
+
 def test_scale_groups_name_real_modules():
     layer = tiny_layer("qwen2")
     assert _scale_groups("llama") == _scale_groups("mistral") == _scale_groups("qwen2")
@@ -311,8 +320,8 @@ def test_clip_guard_reverts_rows_whose_whole_output_error_the_clip_raises():
 
 def test_scale_statistic_counts_the_left_out_sinks_at_their_share():
     """A channel only the sinks use: searched on the other tokens alone, its scale is tiny and
-    the sinks' outputs through it lose their precision (SmolLM2's AWQ fell below RTN so);
-    counted at its share in mean|x|, the sinks' error shrinks and the others' barely moves."""
+    the sinks' outputs through it lose their precision; counted at its share in mean|x|,
+    the sinks' error shrinks and the others' barely moves."""
     config = QuantConfig(bits=4, group_size=32)
     layer = tiny_layer("llama", **MHA)
     group = _scale_groups("llama")[0]  # input_layernorm -> q, k, v
@@ -322,9 +331,9 @@ def test_scale_statistic_counts_the_left_out_sinks_at_their_share():
     sinks = torch.zeros(4, hidden)
     sinks[:, 5] = 60.0
     share = 4 / 2048
-    stats = _mean_abs(x, group, {group.linears[0]: sinks}, share)
+    stats = _mean_abs(x, sinks, share)
     assert torch.allclose(stats, (1 - share) * x.abs().mean(0) + share * sinks.abs().mean(0))
-    assert torch.equal(_mean_abs(x, group, None, share), x.abs().mean(0))
+    assert torch.equal(_mean_abs(x, None, share), x.abs().mean(0))
 
     def errors(s):  # (ordinary, sinks): summed squared output error of q, k, v
         out = []

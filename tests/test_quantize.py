@@ -166,8 +166,8 @@ def test_smollm2_checkpoint_loads_in_transformers_with_identical_logits(tmp_path
 def test_awq_beats_rtn_on_the_real_smollm2(tmp_path):
     """End to end on the real model, with a small calibration: AWQ's checkpoint scores a
     lower held-out perplexity than RTN's on both texts at W4 g128. AWQ once fell below RTN
-    here (sink tokens left out of its scale search: 33.2 vs 31.5 on sotu) while every test
-    on random layers passed."""
+    here (the layer that makes the sinks left them out of its searches: 33.2 vs 31.5 on
+    sotu at full calibration) while every test on random layers passed."""
     from edgellm.entrypoints.llm import measure_ppl
 
     opts = {"group_size": 128, "n_samples": 8, "seq_len": 256, "awq_tokens": 2048}
