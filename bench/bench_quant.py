@@ -195,7 +195,9 @@ def recovered(rows: list[dict], row: dict, text: str) -> str:
     """Share of RTN's perplexity loss (over float) that a method wins back, same config."""
     if row.get("method") in (None, "rtn"):
         return ""
-    base = next(r for r in rows if r["name"] == row["name"].replace(row["method"], "rtn", 1))
+    base = next((r for r in rows if r["name"] == row["name"].replace(row["method"], "rtn", 1)), None)
+    if base is None:  # --only without the RTN row of the same config
+        return ""
     fl = rows[0][text]
     loss = base[text] - fl
     return f"{(base[text] - row[text]) / loss:.0%}" if loss > 0 else "n/a"

@@ -28,6 +28,7 @@ from edgellm.quantize.rtn import (
     QuantConfig,
     QuantizedWeight,
     compute_qparams,
+    qparams_of_range,
     quantize_rtn,
 )
 
@@ -53,10 +54,11 @@ def awq_quantize_layer(
     max_shrink: float = 0.5,
     sample_tokens: int | None = 4096,
     screen_tokens: int = 1024,
-    screen_keep: int = 3,
+    screen_keep: int = 2,
     guard_tokens: int = 1024,
     protect: dict[str, torch.Tensor] | None = None,
     protect_share: float = 0.0,
+    outputs: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """AWQ-quantize every linear of `layer`; returns the codes per linear name.
 
@@ -72,7 +74,10 @@ def awq_quantize_layer(
     of the searches whose outputs the clips must not worsen either (attention sinks);
     protect_share: the share of all calibration tokens they stand for: the scales' activation
     statistic mean|x| counts them at that share (left out of it, channels that only the sinks
-    use get scales < 1 and the sinks' outputs through them lose their precision).
+    use get scales < 1 and the sinks' outputs through them lose their precision);
+    outputs: per inspected module (a group's `inspect`, e.g. "mlp"), its float output on the
+    tokens of `inputs` (row for row), where the caller's forward already computed it: the
+    scale search's reference, not computed again.
     """
     groups = _scale_groups(model_type)
     _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
@@ -85,7 +90,8 @@ def awq_quantize_layer(
     screen = (screen_tokens, screen_keep)
     with torch.no_grad():
         # check everything before the first fold, so a bad call leaves the layer as it was
-        xs = [_group_input(inputs, group, sample_tokens) for group in groups]  # [n, in] each
+        pairs = [_group_input(inputs, g, sample_tokens, outputs) for g in groups]
+        xs, refs = [p[0] for p in pairs], [p[1] for p in pairs]  # [n, in], [n, out] | None
         for name in (name for group in groups for name in group.linears):
             config.for_features(layer.get_submodule(name).in_features)
         if not 0 <= protect_share < 1:
@@ -94,8 +100,10 @@ def awq_quantize_layer(
         sinks = [(protect or {}).get(g.linears[0]) for g in groups]
         sinks = [None if t is None else t.float() for t in sinks]
         scales = [
-            _scale_group(layer, g, x, config, n_grid, screen, _mean_abs(x, t, protect_share), t)
-            for g, x, t in zip(groups, xs, sinks, strict=True)
+            _scale_group(
+                layer, g, x, config, n_grid, screen, _mean_abs(x, t, protect_share), t, ref
+            )
+            for g, x, t, ref in zip(groups, xs, sinks, refs, strict=True)
         ]
         out: dict[str, QuantizedWeight] = {}
         for group, x, s in zip(groups, xs, scales, strict=True):  # after all folds: final weights
@@ -131,14 +139,30 @@ def _check_options(n_grid: int, clip_grid: int, max_shrink: float, sample_tokens
         raise InvalidParameterError(f"sample_tokens must be positive or None, got {sample_tokens}")
 
 
-def _group_input(inputs: dict[str, torch.Tensor], group: ScaleGroup, n: int | None) -> torch.Tensor:
-    """The group's float inputs [n_tokens, in] as float32, subsampled to n tokens."""
+def _group_input(
+    inputs: dict[str, torch.Tensor],
+    group: ScaleGroup,
+    n: int | None,
+    outputs: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The group's float inputs [n_tokens, in] as float32, subsampled to n tokens, and its
+    inspected module's outputs on them [n_tokens, out] where `outputs` has them."""
     name = group.linears[0]
     if name not in inputs:
         raise InvalidParameterError(f"AWQ needs the captured inputs of {name!r}")
     x = inputs[name].detach().float()
     x = x.reshape(-1, x.shape[-1])  # [n_tokens, in]
-    return x if n is None else _evenly(x, n)
+    ref = (outputs or {}).get(group.inspect) if group.inspect else None
+    if ref is not None:
+        ref = ref.detach().float().reshape(-1, ref.shape[-1])
+        if ref.shape[0] != x.shape[0]:
+            raise InvalidParameterError(
+                f"{ref.shape[0]} outputs of {group.inspect!r} for {x.shape[0]} inputs"
+            )
+    idx = None if n is None else _evenly_index(x.shape[0], n)
+    if idx is None:
+        return x, ref
+    return x[idx], None if ref is None else ref[idx]
 
 
 def _mean_abs(x: torch.Tensor, sinks: torch.Tensor | None, share: float) -> torch.Tensor:
@@ -159,6 +183,7 @@ def _scale_group(
     screen: tuple[int, int] = (0, 1),
     x_mean: torch.Tensor | None = None,
     protect: torch.Tensor | None = None,
+    ref: torch.Tensor | None = None,
 ) -> torch.Tensor:  # s [in]
     """Search the group's scales and fold them in; ones when the shapes forbid folding."""
     prev = layer.get_submodule(group.prev)
@@ -171,7 +196,9 @@ def _scale_group(
             group.prev, ",".join(group.linears), width, linears[0].in_features, why,
         )  # fmt: skip
         return torch.ones(x.shape[1], device=x.device)
-    s = search_scale(layer, group, x, config, n_grid, *screen, x_mean=x_mean, protect=protect)
+    s = search_scale(
+        layer, group, x, config, n_grid, *screen, x_mean=x_mean, protect=protect, ref=ref
+    )
     fold_scale(prev, linears, s)
     return s
 
@@ -183,9 +210,10 @@ def search_scale(
     config: QuantConfig,
     n_grid: int,
     screen_tokens: int = 0,
-    screen_keep: int = 3,
+    screen_keep: int = 2,
     x_mean: torch.Tensor | None = None,
     protect: torch.Tensor | None = None,
+    ref: torch.Tensor | None = None,
 ) -> torch.Tensor:  # s [in]
     """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE
     on x (mean|x| over x unless `x_mean` gives it). With `protect` [m, in] (tokens left out
@@ -194,9 +222,13 @@ def search_scale(
 
     Where a candidate's loss costs time in proportion to the tokens (a module's output, or
     a linear wider than the tokens, such as down_proj), every candidate is first scored on
-    `screen_tokens` evenly spaced tokens, and only the `screen_keep` best of them and alpha 0
-    (plain RTN, the reference) are scored on all of x: on Qwen 1.5B the MLP's ten
-    candidates cost 1.7 s each on 4096 tokens. screen_tokens=0 or >= the tokens: all on all.
+    `screen_tokens` evenly spaced tokens, and only the `screen_keep` best of them (plain RTN,
+    alpha 0, among them only if it screens so) are scored on all of x: on Qwen 1.5B the
+    MLP's candidates cost 1.7 s each on 4096 tokens, 0.4 s on 1024 (a fifth of a layer's
+    time went to scoring the best three and RTN on all tokens). screen_tokens=0 or >= the
+    tokens: all on all.
+    `ref`: the inspected module's float output on x, where the caller has it (else computed
+    here, once: the screening tokens' is a part of it).
     """
     linears = [layer.get_submodule(n) for n in group.linears]
     weights = [lin.weight.float() for lin in linears]  # [out_i, in]
@@ -209,12 +241,17 @@ def search_scale(
     def quantized(s: torch.Tensor) -> list[torch.Tensor]:
         return [fake_quantize(w, config, col_scale=s) for w in weights]
 
-    loss_fn = _loss_fn(layer, group, x, weights)
+    if group.inspect is not None and ref is None:
+        ref = _inspected(layer, group)(x)
+    loss_fn = _loss_fn(layer, group, x, weights, ref)
     screened = 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x)
-    screened = screened and n_grid > screen_keep + 1
+    screened = screened and n_grid > screen_keep
     # one pass over the candidates, one fake quantization each: the sinks' error (admission)
     # and the loss on all tokens, or on the screening tokens when screened
-    first_fn = _loss_fn(layer, group, _evenly(x, screen_tokens), weights) if screened else loss_fn
+    first_fn = loss_fn
+    if screened:
+        idx = _evenly_index(x.shape[0], screen_tokens)
+        first_fn = _loss_fn(layer, group, x[idx], weights, None if ref is None else ref[idx])
     sink_fn = None
     if protect is not None and protect.shape[0]:
         sink_fn = _loss_fn(layer, group, protect.float(), weights)
@@ -227,11 +264,12 @@ def search_scale(
     admitted = [i for i in first if not sink or sink[i] <= sink[0] * (1 + SINK_SLACK)]
     if screened:
         kept = sorted(admitted, key=lambda i: (first[i], i))[:screen_keep]
-        losses = {i: loss_fn(quantized(cands[i])) for i in sorted({0, *kept})}
+        losses = {i: loss_fn(quantized(cands[i])) for i in sorted(kept)}
     else:
         losses = {i: first[i] for i in admitted}
-    best = min(losses, key=lambda i: (losses[i], i))  # alpha 0 (plain RTN) on ties
-    ratio = losses[best] / losses[0] if losses[0] > 0 else 1.0
+    best = min(losses, key=lambda i: (losses[i], i))  # the smaller alpha on ties
+    # against RTN on the tokens both were scored on (the screening ones, when screened)
+    ratio = first[best] / first[0] if first[0] > 0 else 1.0
     log.info("AWQ %s: alpha %.2f, output error %.3fx RTN", group.prev, best / n_grid, ratio)
     return cands[best]
 
@@ -245,8 +283,22 @@ def _costs_per_token(group: ScaleGroup, x: torch.Tensor) -> bool:
     return group.inspect is not None or x.shape[0] < x.shape[1]
 
 
-def _loss_fn(layer: nn.Module, group: ScaleGroup, x: torch.Tensor, weights: list[torch.Tensor]):
-    """Output MSE of candidate weights (acting on the unscaled x) against the float weights."""
+def _inspected(layer: nn.Module, group: ScaleGroup):
+    """x -> the group's inspected module's float32 output on x (in the layer's dtype)."""
+    module = layer.get_submodule(group.inspect)
+    dtype = layer.get_submodule(group.linears[0]).weight.dtype
+    return lambda x: module(x.to(dtype)).float()
+
+
+def _loss_fn(
+    layer: nn.Module,
+    group: ScaleGroup,
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    ref: torch.Tensor | None = None,
+):
+    """Output MSE of candidate weights (acting on the unscaled x) against the float weights
+    (for an inspected module: against `ref`, its float output on x, computed if not given)."""
     if group.inspect is None:
         # mean over tokens and outputs of (x d^T)^2 = sum((d @ G) * d) / n_out with G = x^T x / n:
         # through the Gram matrix when the tokens outnumber the inputs (2 out in^2 flops per
@@ -271,7 +323,7 @@ def _loss_fn(layer: nn.Module, group: ScaleGroup, x: torch.Tensor, weights: list
     names = [n.removeprefix(prefix) + ".weight" for n in group.linears]
     dtype = layer.get_submodule(group.linears[0]).weight.dtype
     xd = x.to(dtype)
-    ref = module(xd).float()
+    ref = _inspected(layer, group)(x) if ref is None else ref
 
     def loss(cand: list[torch.Tensor]) -> float:
         params = {n: c.to(dtype) for n, c in zip(names, cand, strict=True)}
@@ -298,17 +350,22 @@ def fake_quantize(
     config: QuantConfig,
     clip: torch.Tensor | float = 1.0,
     col_scale: torch.Tensor | None = None,
+    group_range: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """RTN quantize-dequantize of w [out, in] (no codes, no error bookkeeping): float32
     [out, in], equal to `quantize_rtn(w, config, clip).dequantize()` value for value. With
-    `col_scale` s [in], of w * s, divided by s again (AWQ's candidates). One fresh tensor,
-    the rest in place: the searches call this for every candidate of every linear."""
+    `col_scale` s [in], of w * s, divided by s again (AWQ's candidates); `group_range`: the
+    groups' (min, max) [out, n_groups] of what is quantized, when the caller has them. One
+    fresh tensor, the rest in place: the searches call this for every candidate."""
     out, inp = w.shape
     config = config.for_features(inp)
     wg = (w.float() * col_scale if col_scale is not None else w.float().clone()).view(
         out, config.groups(inp), config.group_len(inp)
     )
-    scale, zero = compute_qparams(wg, config, clip)
+    if group_range is None:
+        scale, zero = compute_qparams(wg, config, clip)
+    else:
+        scale, zero = qparams_of_range(*group_range, config, clip)
     scale = scale[..., None]
     # quantize_values then dequantize, in place: integers are exact in float32
     wg.div_(scale).round_()
@@ -340,8 +397,9 @@ def search_clip(
     gram = xg.transpose(1, 2) @ xg / x.shape[0]  # [G, g, g]
     best_err = torch.full((out, n_groups), float("inf"), device=w.device)
     best_clip = torch.ones(out, n_groups, device=w.device)
+    group_range = torch.aminmax(w.float().view(out, n_groups, g), dim=-1)  # once, not per clip
     for c in torch.linspace(1.0, 1.0 - max_shrink, clip_grid).tolist():
-        d = fake_quantize(w, config, c).sub_(w).view(out, n_groups, g)
+        d = fake_quantize(w, config, c, group_range=group_range).sub_(w).view(out, n_groups, g)
         err = group_output_error(d, gram)  # [out, G]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
@@ -381,11 +439,18 @@ def guard_clip(
 
 def _evenly(x: torch.Tensor, n: int) -> torch.Tensor:
     """n evenly spaced rows of x (all of them when it has no more)."""
-    if x.shape[0] <= n:
-        return x
-    return x[torch.linspace(0, x.shape[0] - 1, n).round().long()]
+    idx = _evenly_index(x.shape[0], n)
+    return x if idx is None else x[idx]
+
+
+def _evenly_index(rows: int, n: int) -> torch.Tensor | None:
+    """The indices of n evenly spaced rows of `rows` (None: all of them)."""
+    if rows <= n:
+        return None
+    return torch.linspace(0, rows - 1, n).round().long()
 
 
 def group_output_error(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """mean_t (x_g(t) . d_g)^2 = d_g^T G_g d_g for d [out, G, g], gram [G, g, g]: [out, G]."""
-    return (torch.einsum("ogk,gkl->ogl", d, gram) * d).sum(-1)
+    dt = d.transpose(0, 1)  # [G, out, g]: one batched product per group, no copy of d
+    return torch.bmm(dt, gram).mul_(dt).sum(-1).T

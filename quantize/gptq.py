@@ -18,7 +18,7 @@ import logging
 import torch
 
 from edgellm.errors import EdgeLLMError, InvalidParameterError
-from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, compute_qparams, quantize_values
+from edgellm.quantize.rtn import QuantConfig, QuantizedWeight, compute_qparams
 
 log = logging.getLogger(__name__)
 
@@ -160,25 +160,32 @@ def _inverse_hessian_factor(
 ) -> torch.Tensor:
     """Upper Cholesky factor U of (P H P^T + d I)^-1 (U^T U = the inverse), with the columns
     in quantization order `perm` and dead inputs' diagonal set to 1; retrying with more
-    damping."""
+    damping.
+
+    One factorization and one triangular inverse (2n^3/3 flops), not the reference's three
+    steps (Cholesky, inverse from it, Cholesky of the inverse: 4n^3/3; 7.0 s against 3.8 s
+    at 8960 wide on this machine, measured): with J the order reversal, the Cholesky factor
+    of J A J is L, so A = (J L J)(J L J)^T with J L J upper, and A^-1 = U^T U for
+    U = (J L J)^-1 = J L^-1 J, upper with a positive diagonal: the factor, being unique."""
     mean_diag = float(torch.diag(H).mean())
     info = torch.zeros((), dtype=torch.int32)
+    order = perm.flip(0)
     for attempt in range(CHOLESKY_RETRIES + 1):
-        Hd = H[perm[:, None], perm[None, :]]  # the one copy of H: every step below is in place
+        Hd = H[order[:, None], order[None, :]]  # the one copy of H: every step is in place
         d = Hd.diagonal()
         d[d == 0] = 1
         d.add_(damp * mean_diag)  # H + d I without an identity matrix
         # LAPACK works in column-major order: on the transposed view of a symmetric matrix
         # torch factors in place, where a row-major one costs a 321 MB temporary per step
-        # at down_proj (measured). F = L, then F = (L L^T)^-1, then F = L' with L' L'^T =
-        # the inverse, so Hd (the row-major view) = L'^T = U, upper, U^T U = the inverse.
+        # at down_proj (measured). The upper factor R of the view (R^T R = J A J) is, read
+        # row-major, the lower factor L = R^T.
         F = Hd.mT
-        torch.linalg.cholesky_ex(F, out=(F, info))
+        torch.linalg.cholesky_ex(F, upper=True, out=(F, info))
         if info == 0 and _all_finite(F):
-            torch.cholesky_inverse(F, out=F)
-            torch.linalg.cholesky_ex(F, out=(F, info))
-            if info == 0 and _all_finite(F):
-                return Hd
+            _invert_lower_(Hd)
+            _flip_(Hd)
+            if _all_finite(Hd):
+                return Hd.triu_()  # below the diagonal: what the factorization left there
         del Hd, d, F  # nothing [in, in] kept across a retry
         if attempt < CHOLESKY_RETRIES:
             more = damp * 10 if damp > 0 else 0.01
@@ -188,6 +195,42 @@ def _inverse_hessian_factor(
         f"Hessian of the [{shape[0]}, {shape[1]}] layer is not positive definite even with "
         f"damping {damp:g} * mean(diag H) ({mean_diag:g}); check the calibration activations"
     )
+
+
+def _invert_lower_(L: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """L [n, n] (lower triangular, row-major; the upper triangle is not read) becomes L^-1
+    in place, block column by block column from the last: LAPACK's blocked trtri, with
+    temporaries of [n, block]. Column block j of the inverse is -L22^-1 L21 L11^-1, where
+    L22^-1 (the blocks after j) is already in place and is applied row block by row block,
+    so its upper triangle is never read either (the inverted diagonal blocks' is exactly 0)."""
+    n = L.shape[0]
+    for j in reversed(range(0, n, block)):
+        e = min(j + block, n)
+        D = L[j:e, j:e].clone()  # L11, [block, block]
+        if e < n:
+            X = L[e:, j:e]  # L21
+            Y = L.new_empty(n - e, e - j)
+            for r in range(e, n, block):  # Y = L22^-1 L21, lower block rows only
+                r2 = min(r + block, n)
+                torch.matmul(L[r:r2, e:r2], X[: r2 - e], out=Y[r - e : r2 - e])
+            L[e:, j:e] = torch.linalg.solve_triangular(D, Y.neg_(), upper=False, left=False)
+        L[j:e, j:e] = torch.linalg.solve_triangular(D, torch.eye(e - j, dtype=L.dtype), upper=False)
+    return L
+
+
+def _flip_(m: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """m [n, n] becomes J m J (both orders reversed) in place, `rows` rows at a time."""
+    n = m.shape[0]
+    half = n // 2
+    for a in range(0, half, rows):
+        b = min(a + rows, half)
+        top = m[a:b].flip(0, 1)  # a copy
+        m[a:b] = m[n - b : n - a].flip(0, 1)
+        m[n - b : n - a] = top
+    if n % 2:
+        mid = m[half]
+        mid.copy_(mid.flip(0))
+    return m
 
 
 def _all_finite(m: torch.Tensor, rows: int = 512) -> bool:
@@ -209,27 +252,40 @@ class _ColumnLoop:
         self.zero = zero  # int8 [out, n_groups] | None
         if static:  # from the original weight, exactly as RTN would
             self.scale, self.zero = compute_qparams(W.view(out, n_groups, self.g), config)
+        self._params_of = -1  # the group whose parameters `_params` last returned
 
     def run(self, W: torch.Tensor, Hinv: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Quantize W [out, in] (modified in place) in column order; int8 codes [out, in]."""
+        """Quantize W [out, in] (modified in place) in column order; int8 codes [out, in].
+
+        A block's columns are worked on as the rows of a contiguous [block, out] copy: a
+        column of W is `out` strided reads, a row of the copy one contiguous one (the loop
+        takes 45% less time on Qwen 1.5B's MLP; same arithmetic, value for value)."""
         self.W, self.Hinv = W, Hinv
         q = torch.empty(W.shape, dtype=torch.int8)  # [out, in]
         for i1 in range(0, W.shape[1], block_size):
             i2 = min(i1 + block_size, W.shape[1])
-            err = self._block(i1, i2, q)  # [out, i2 - i1]
-            W[:, i2:] -= err @ Hinv[i1:i2, i2:]  # lazy update of the columns after the block
+            self.Wb = W[:, i1:i2].T.contiguous()  # [block, out]: column j is row j - i1
+            err = self._block(i1, i2, q)  # [block, out]
+            W[:, i2:] -= err.T @ Hinv[i1:i2, i2:]  # lazy update of the columns after the block
+        self.Wb = None
         return q
 
     def _block(self, i1: int, i2: int, q: torch.Tensor) -> torch.Tensor:
-        W, Hinv = self.W, self.Hinv
-        err = torch.zeros(W.shape[0], i2 - i1)  # [out, block]: scaled rounding errors
+        Wb, Hinv, cfg = self.Wb, self.Hinv, self.config
+        err = torch.zeros(i2 - i1, Wb.shape[1])  # [block, out]: scaled rounding errors
+        codes = torch.empty(i2 - i1, Wb.shape[1])  # [block, out], integers in float32
         for j in range(i1, i2):
-            scale, zero = self._params(j, i1, i2, err)  # [out], [out] | None
-            q[:, j] = quantize_values(W[:, j, None], scale, zero, self.config)[:, 0]
-            wq = q[:, j].float() if zero is None else q[:, j].float() - zero.float()
-            e = (W[:, j] - wq * scale) / Hinv[j, j]  # [out]
-            W[:, j + 1 : i2] -= e[:, None] * Hinv[j, j + 1 : i2]  # OBS update inside the block
-            err[:, j - i1] = e
+            r = j - i1
+            scale, zero = self._params(j, i1, i2, err)  # [out], [out] float32 | None
+            c = codes[r]
+            torch.div(Wb[r], scale, out=c).round_()  # as quantize_values
+            if zero is not None:
+                c.add_(zero)
+            c.clamp_(cfg.qmin, cfg.qmax)
+            wq = c if zero is None else c - zero
+            e = torch.div(Wb[r] - wq * scale, Hinv[j, j], out=err[r])  # [out]
+            Wb[r + 1 :] -= Hinv[j, r + 1 + i1 : i2, None] * e  # OBS update inside the block
+        q[:, i1:i2] = codes.T.to(torch.int8)
         return err
 
     def _params(self, j: int, i1: int, i2: int, err: torch.Tensor):
@@ -240,11 +296,16 @@ class _ColumnLoop:
             self.scale[:, k] = scale
             if zero is not None:
                 self.zero[:, k] = zero
-        return self.scale[:, k], None if self.zero is None else self.zero[:, k]
+        if self._params_of != k:  # contiguous float32 copies of group k's columns
+            self._params_of = k
+            self._scale_k = self.scale[:, k].contiguous()
+            self._zero_k = None if self.zero is None else self.zero[:, k].float()
+        return self._scale_k, self._zero_k
 
     def _current(self, j: int, end: int, i1: int, i2: int, err: torch.Tensor) -> torch.Tensor:
         """Error-updated W[:, j:end] [out, end - j], including this block's pending updates."""
+        mine = self.Wb[j - i1 : end - i1].T  # this block's columns, up to date
         if end <= i2:
-            return self.W[:, j:end]
-        pending = err[:, : j - i1] @ self.Hinv[i1:j, i2:end]  # [out, end - i2]
-        return torch.cat([self.W[:, j:i2], self.W[:, i2:end] - pending], dim=1)
+            return mine
+        pending = err[: j - i1].T @ self.Hinv[i1:j, i2:end]  # [out, end - i2]
+        return torch.cat([mine, self.W[:, i2:end] - pending], dim=1)

@@ -125,5 +125,21 @@ def capture_inputs(layer: nn.Module, names: list[str], fn: Callable[[str, torch.
             h.remove()
 
 
+@contextmanager
+def capture_outputs(layer: nn.Module, names: list[str], fn: Callable[[str, torch.Tensor], None]):
+    """Call fn(name, y [..., out]) with the output of each named submodule during forwards."""
+    handles = [
+        layer.get_submodule(n).register_forward_hook(
+            lambda m, args, out, n=n: fn(n, out.detach())
+        )
+        for n in names
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def set_weight(layer: nn.Module, name: str, w: torch.Tensor) -> None:
     layer.get_submodule(name).weight.data = w.to(torch.float32)

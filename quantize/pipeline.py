@@ -40,6 +40,7 @@ from edgellm.quantize.gptq import HessianAccumulator, gptq_quantize
 from edgellm.quantize.layerwise import (
     LayerRunner,
     capture_inputs,
+    capture_outputs,
     embed,
     load_layer,
     release,
@@ -156,7 +157,7 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
             chunk = min(opts.n_samples, 8) * opts.seq_len  # LayerRunner's chunk of sequences
             spare = AWQ_SPARE_PER_SEQ * opts.n_samples + MAX_PROTECTED  # and the sinks
             sample = min(opts.awq_tokens + spare, tokens)
-            kept = sample * (5 * d + q + inter)  # q/k/v, o, gate/up, down
+            kept = sample * (6 * d + q + inter)  # q/k/v, o, gate/up and the MLP's output, down
             est["method"] = 4 * kept + 3 * chunk * inter * 4
         else:
             # the widest stage's inputs, what the paused chunks hold (residual, normed input),
@@ -256,6 +257,9 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     sinks = sinks[:MAX_PROTECTED]
     protect: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     per_chunk_tokens = runner.chunk * hidden.shape[1]
+    # the inspected modules' float outputs on the sample: the scale search's reference
+    inspected = sorted({g[2] for g in get_model_module(model_type).AWQ_SCALE_GROUPS if g[2]})
+    outputs: dict[str, list[torch.Tensor]] = {m: [] for m in inspected}
 
     def keep(name, x):
         x = x.reshape(-1, x.shape[-1])
@@ -269,15 +273,18 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
         mine = sinks[(sinks >= first) & (sinks < first + x.shape[0])] - first
         protect[name].append(x[mine].clone())
 
-    with capture_inputs(layer, names, keep):
+    def keep_output(name, y):  # runs after the chunk's first linear: its sample is drawn
+        outputs[name].append(y.reshape(-1, y.shape[-1])[picks[len(outputs[name])]].clone())
+
+    with capture_inputs(layer, names, keep), capture_outputs(layer, inspected, keep_output):
         out = runner(layer, hidden)  # the float layer's output feeds the next layer
     ok = ~massive  # the layer that makes a sink massive keeps it in its searches (below)
     L = hidden.shape[1]
     for c, idx in enumerate(picks):
         first = c * runner.chunk * L
         sel = ok[first + idx].nonzero().flatten()[:per_chunk]
-        for n in names:
-            kept[n][c] = kept[n][c][sel]
+        for v in (*kept.values(), *outputs.values()):
+            v[c] = v[c][sel]
     inputs = {n: torch.cat(v) for n, v in kept.items()}
     kept.clear()
     q = awq_quantize_layer(
@@ -289,6 +296,7 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
         screen_tokens=opts.awq_screen,
         protect={n: torch.cat(v) for n, v in protect.items()},
         protect_share=n_sinks / max(n_in.numel(), 1),
+        outputs={m: torch.cat(v) for m, v in outputs.items()},
     )
     return q, out
 

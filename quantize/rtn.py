@@ -40,6 +40,14 @@ def compute_qparams(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point) of each group from its value range: [...], [...]."""
     lo, hi = torch.aminmax(w.float(), dim=-1)  # one pass, no |w| copy
+    return qparams_of_range(lo, hi, config, clip)
+
+
+def qparams_of_range(
+    lo: torch.Tensor, hi: torch.Tensor, config: QuantConfig, clip: torch.Tensor | float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`compute_qparams` from each group's min and max [...] (a clip search scans one range
+    with many clips)."""
     if config.symmetric:
         amax = torch.maximum(hi, -lo) * clip  # = max |w|, exactly
         # map [-amax, amax] onto [qmin, qmax] centred on zero (amax / 7.5 for 4 bits)

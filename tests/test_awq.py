@@ -371,8 +371,8 @@ def test_screened_scale_search_scores_few_candidates_on_every_token(group_index)
     config = QuantConfig(bits=3, group_size=16)
     calls: list[int] = []
 
-    def counting(layer_, group_, x_, weights):
-        fn = _loss_fn(layer_, group_, x_, weights)
+    def counting(layer_, group_, x_, weights, ref=None):
+        fn = _loss_fn(layer_, group_, x_, weights, ref)
 
         def scored(cand):
             calls.append(x_.shape[0])
@@ -411,6 +411,11 @@ def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
     def spy(layer, inputs, *args, **kwargs):
         seen.update(inputs)
         seen["protect"] = kwargs["protect"]
+        # the MLP's outputs captured in the forward are its outputs on the sampled inputs,
+        # row for row (the scale search's reference)
+        with torch.no_grad():
+            ref = layer.mlp(inputs["mlp.gate_proj"])
+        seen["mlp outputs"] = torch.allclose(kwargs["outputs"]["mlp"], ref, atol=1e-5)
         return real(layer, inputs, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "awq_quantize_layer", spy)
@@ -423,6 +428,7 @@ def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
     torch.testing.assert_close(x, normed[rows])
     assert len(set(rows.tolist())) == 96 and not (rows % L == 0).any()
     protect = seen.pop("protect")
+    assert seen.pop("mlp outputs")
     assert all(v.shape[0] == 96 for v in seen.values())
     # ... yet their outputs are what the clip guard protects: every sequence's position 0
     torch.testing.assert_close(protect["self_attn.q_proj"], normed[::L])

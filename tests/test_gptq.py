@@ -13,7 +13,9 @@ from edgellm.errors import InvalidParameterError
 from edgellm.quantize.gptq import (
     GPTQError,
     HessianAccumulator,
+    _flip_,
     _inverse_hessian_factor,
+    _invert_lower_,
     gptq_quantize,
     output_error,
 )
@@ -202,17 +204,19 @@ def test_indefinite_hessian_retries_with_more_damping(layer, caplog):
     assert len(caplog.records) == 1 and "retrying at 0.1" in caplog.text
 
 
+@pytest.mark.parametrize("n", [96, 601])  # one block; three blocks and an odd middle row
 @pytest.mark.parametrize("act_order", [False, True])
-def test_the_inverse_factor_computed_in_place_is_the_upper_cholesky_of_the_inverse(act_order):
-    """Factored, inverted and factored again inside one column-major copy of H: the result
-    is row-major, exactly upper triangular, U^T U = (P H P^T + d I)^-1, and H is untouched."""
-    x = correlated_inputs(512, 96, seed=3)
-    H = 2 / 512 * x.T.double() @ x.double()
+def test_the_inverse_factor_computed_in_place_is_the_upper_cholesky_of_the_inverse(act_order, n):
+    """Factored in reversed order and inverted inside one column-major copy of H, then
+    flipped: the result is row-major, exactly upper triangular, U^T U = (P H P^T + d I)^-1,
+    and H is untouched."""
+    x = correlated_inputs(2 * n, n, seed=3)
+    H = 2 / (2 * n) * x.T.double() @ x.double()
     H = H.float()
     H[5], H[:, 5] = 0, 0  # a dead input: diagonal 1 in the copy
     before = H.clone()
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(96)
-    U = _inverse_hessian_factor(H, perm, 0.01, (8, 96))
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(n)
+    U = _inverse_hessian_factor(H, perm, 0.01, (8, n))
     assert torch.equal(H, before)
     assert U.is_contiguous() and torch.equal(U, torch.triu(U)) and bool((U.diagonal() > 0).all())
     Hd = H[perm][:, perm].double()
@@ -220,6 +224,17 @@ def test_the_inverse_factor_computed_in_place_is_the_upper_cholesky_of_the_inver
     Hd.diagonal().add_(0.01 * float(torch.diag(H).mean()))
     inv = torch.linalg.inv(Hd)
     assert torch.allclose(U.double().T @ U.double(), inv, rtol=1e-3, atol=1e-4 * float(inv.abs().max()))
+
+
+@pytest.mark.parametrize(("n", "block"), [(13, 4), (12, 4), (5, 8), (300, 64)])
+def test_blocked_lower_inverse_and_flip_in_place(n, block):
+    g = torch.Generator().manual_seed(n)
+    L = torch.tril(torch.randn(n, n, generator=g, dtype=torch.float64)) / n**0.5
+    L.diagonal().copy_(torch.rand(n, generator=g, dtype=torch.float64) + 1)
+    m = L + torch.triu(torch.randn(n, n, generator=g, dtype=torch.float64), 1)  # never read
+    _invert_lower_(m, block)
+    assert torch.allclose(torch.tril(m), torch.linalg.inv(L), atol=1e-12)
+    assert torch.equal(_flip_(m.clone(), rows=3), m.flip(0, 1))
 
 
 def test_hopeless_hessian_raises_clear_error(layer):

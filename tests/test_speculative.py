@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,12 +53,10 @@ _GGUF: dict[int, object] = {}
 
 def llamacpp_backend(model, config: EngineConfig):
     """llama.cpp on an F16 GGUF export of the model's source (made once per source)."""
-    import tempfile
-    from pathlib import Path
-
     hf, _ = model.hf_source
     if id(hf) not in _GGUF:
         root = Path(tempfile.mkdtemp(prefix="edgellm-spec-"))
+        atexit.register(shutil.rmtree, root, True)  # the session's exports, not left in /tmp
         hf.save_pretrained(root / "hf")
         bpe_tokenizer().save_pretrained(root / "hf")
         _GGUF[id(hf)] = (hf, export_gguf(root / "hf", root / "model.gguf", "f16"))
