@@ -59,6 +59,7 @@ def awq_quantize_layer(
     protect: dict[str, torch.Tensor] | None = None,
     protect_share: float = 0.0,
     outputs: dict[str, torch.Tensor] | None = None,
+    duo: bool = False,
 ) -> dict[str, QuantizedWeight]:
     """AWQ-quantize every linear of `layer`; returns the codes per linear name.
 
@@ -77,7 +78,8 @@ def awq_quantize_layer(
     use get scales < 1 and the sinks' outputs through them lose their precision);
     outputs: per inspected module (a group's `inspect`, e.g. "mlp"), its float output on the
     tokens of `inputs` (row for row), where the caller's forward already computed it: the
-    scale search's reference, not computed again.
+    scale search's reference, not computed again; duo: the scale candidates of AutoAWQ's
+    and llm-compressor's default ("duo scaling", see `search_scale`).
     """
     groups = _scale_groups(model_type)
     _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
@@ -101,7 +103,7 @@ def awq_quantize_layer(
         sinks = [None if t is None else t.float() for t in sinks]
         scales = [
             _scale_group(
-                layer, g, x, config, n_grid, screen, _mean_abs(x, t, protect_share), t, ref
+                layer, g, x, config, n_grid, screen, _mean_abs(x, t, protect_share), t, ref, duo
             )
             for g, x, t, ref in zip(groups, xs, sinks, refs, strict=True)
         ]
@@ -184,6 +186,7 @@ def _scale_group(
     x_mean: torch.Tensor | None = None,
     protect: torch.Tensor | None = None,
     ref: torch.Tensor | None = None,
+    duo: bool = False,
 ) -> torch.Tensor:  # s [in]
     """Search the group's scales and fold them in; ones when the shapes forbid folding."""
     prev = layer.get_submodule(group.prev)
@@ -197,8 +200,9 @@ def _scale_group(
         )  # fmt: skip
         return torch.ones(x.shape[1], device=x.device)
     s = search_scale(
-        layer, group, x, config, n_grid, *screen, x_mean=x_mean, protect=protect, ref=ref
-    )
+        layer, group, x, config, n_grid, *screen, x_mean=x_mean, protect=protect, ref=ref,
+        duo=duo,
+    )  # fmt: skip
     fold_scale(prev, linears, s)
     return s
 
@@ -214,9 +218,13 @@ def search_scale(
     x_mean: torch.Tensor | None = None,
     protect: torch.Tensor | None = None,
     ref: torch.Tensor | None = None,
+    duo: bool = False,
 ) -> torch.Tensor:  # s [in]
     """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE
-    on x (mean|x| over x unless `x_mean` gives it). With `protect` [m, in] (tokens left out
+    on x (mean|x| over x unless `x_mean` gives it). With `duo`, s = mean|x|^alpha /
+    mean|w|^(1 - alpha) as AutoAWQ's and llm-compressor's default ("duo scaling"; mean|w|
+    per input channel over the group's weights, each weight group scaled to a maximum of
+    1), except that alpha 0 stays plain RTN (s = 1) rather than 1 / mean|w|. With `protect` [m, in] (tokens left out
     of x: the attention sinks), only candidates whose output error on those tokens stays
     within SINK_SLACK of plain RTN's (alpha 0) are admitted.
 
@@ -233,9 +241,12 @@ def search_scale(
     linears = [layer.get_submodule(n) for n in group.linears]
     weights = [lin.weight.float() for lin in linears]  # [out_i, in]
     x_mean = x.abs().mean(0) if x_mean is None else x_mean  # [in]
+    w_mean = _weight_mean(weights, config) if duo else None
     cands = []
     for i in range(n_grid):
         s = x_mean.pow(i / n_grid).clamp(min=1e-4)
+        if w_mean is not None and i > 0:
+            s = (x_mean.pow(i / n_grid) / (w_mean.pow(1 - i / n_grid) + 1e-4)).clamp(min=1e-4)
         cands.append(s / (s.max() * s.min()).sqrt())  # centre around 1: neither side overflows
 
     def quantized(s: torch.Tensor) -> list[torch.Tensor]:
@@ -272,6 +283,16 @@ def search_scale(
     ratio = first[best] / first[0] if first[0] > 0 else 1.0
     log.info("AWQ %s: alpha %.2f, output error %.3fx RTN", group.prev, best / n_grid, ratio)
     return cands[best]
+
+
+def _weight_mean(weights: list[torch.Tensor], config: QuantConfig) -> torch.Tensor:
+    """Per input channel, the mean over the group's rows of |w| / (its weight group's max |w|
+    + 1e-6): how large each input's weights are within their quantization groups [in]."""
+    w = torch.cat(weights)  # [sum out, in]
+    out, inp = w.shape
+    cfg = config.for_features(inp)
+    wg = w.abs().view(out, cfg.groups(inp), cfg.group_len(inp))
+    return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).view(out, inp).mean(0)
 
 
 # a scale candidate may raise the protected (sink) tokens' output error by this share over RTN's

@@ -72,6 +72,7 @@ class QuantizeOptions:
     # AWQ: tokens every candidate is first scored on where scoring costs per token; the
     # best 3 and RTN are then scored on all awq_tokens (0: every candidate on every token)
     awq_screen: int = 1024
+    awq_duo: bool = True  # AWQ: scales from activations and weights (see `awq.search_scale`)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -293,6 +294,7 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
         opts.qconfig,
         model_type,
         n_grid=opts.awq_grid,
+        duo=opts.awq_duo,
         screen_tokens=opts.awq_screen,
         protect={n: torch.cat(v) for n, v in protect.items()},
         protect_share=n_sinks / max(n_in.numel(), 1),
@@ -432,6 +434,8 @@ def _provenance(loaded, opts: QuantizeOptions) -> dict:
         }
     if opts.method == "gptq":
         prov.update(act_order=opts.act_order, damp=opts.damp)
+    if opts.method == "awq":
+        prov["awq"] = {"grid": opts.awq_grid, "duo": opts.awq_duo, "tokens": opts.awq_tokens}
     return prov
 
 

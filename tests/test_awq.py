@@ -356,8 +356,8 @@ def test_scale_statistic_counts_the_left_out_sinks_at_their_share():
 @pytest.mark.parametrize("group_index", [2, 3])  # the MLP (module output), up -> down (direct)
 def test_screened_scale_search_scores_few_candidates_on_every_token(group_index):
     """With screening, every candidate is scored on a few tokens and only the best
-    `screen_keep` plus RTN on all: on outlier activations it picks what scoring every
-    candidate on every token picks, and without screening all are scored on all."""
+    `screen_keep` on all: on outlier activations it picks what scoring every candidate on
+    every token picks, and without screening all are scored on all."""
     import edgellm.quantize.awq as awq
 
     layer = tiny_layer("llama", **MHA)
@@ -389,8 +389,33 @@ def test_screened_scale_search_scores_few_candidates_on_every_token(group_index)
         if screen == 0:
             assert calls == [x.shape[0]] * 10
         else:
-            assert calls.count(48) == 10 and calls.count(x.shape[0]) <= 3
+            assert calls.count(48) == 10 and calls.count(x.shape[0]) == 2
     assert torch.equal(picks[0], picks[48])
+
+
+@pytest.mark.parametrize("group_index", [0, 2])  # q/k/v (through the Gram matrix), the MLP
+def test_duo_scaling_picks_the_best_of_autoawqs_candidates(group_index):
+    """duo: s = mean|x|^a / (mean|w|^(1-a) + 1e-4), mean|w| per input over the group's rows
+    of |w| / its weight group's max (AutoAWQ's and llm-compressor's default), a = 0 plain
+    RTN: the search returns the candidate of least output error, computed here apart."""
+    layer = tiny_layer("llama", **MHA)
+    group = _scale_groups("llama")[group_index]
+    width = layer.get_submodule(group.linears[0]).in_features
+    x = layer_input(width, seed=6)
+    config = QuantConfig(bits=3, group_size=16)
+    ws = [layer.get_submodule(n).weight.float() for n in group.linears]
+    w = torch.cat(ws).abs().view(-1, width // 16, 16)
+    w_mean = (w / (w.amax(-1, keepdim=True) + 1e-6)).view(-1, width).mean(0)
+    x_mean = x.abs().mean(0)
+    cands = [torch.ones(width)]
+    for i in range(1, 10):
+        s = (x_mean ** (i / 10) / (w_mean ** (1 - i / 10) + 1e-4)).clamp(min=1e-4)
+        cands.append(s / (s.max() * s.min()).sqrt())
+    loss = _loss_fn(layer, group, x, ws)
+    losses = [loss([fake_quantize(w_, config, col_scale=s) for w_ in ws]) for s in cands]
+    got = search_scale(layer, group, x, config, 10, duo=True)
+    torch.testing.assert_close(got, cands[min(range(10), key=lambda i: (losses[i], i))])
+    assert not torch.equal(got, cands[0])  # outlier inputs: some scaling beats RTN
 
 
 

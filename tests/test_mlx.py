@@ -346,14 +346,16 @@ def assert_same_up_to_near_tie(reference, prompt, got, want) -> None:
 @pytest.mark.parametrize("kind", ["float", "awq-sym", "awq-asym"])
 def test_smollm2_greedy_equals_the_torch_backend(kind, smollm2_path, awq):
     path = str(smollm2_path) if kind == "float" else str(awq / kind.removeprefix("awq-"))
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    # float: every prompt; each checkpoint: half of them, the two halves together all
+    prompts = PROMPTS if kind == "float" else PROMPTS[kind == "awq-asym" :: 2]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     ref = LLM(path, backend="torch", kv_cache_mb=32)
     llm = LLM(path, backend="mlx", kv_cache_mb=32)
-    ids = [ref.tokenizer.encode(p) for p in PROMPTS]
+    ids = [ref.tokenizer.encode(p) for p in prompts]
     want = [o.outputs[0].token_ids for o in ref.generate(ids, params)]
     got = [o.outputs[0].token_ids for o in llm.generate(ids, params)]
     for p, g, w in zip(ids, got, want, strict=True):
-        assert len(g) == 64
+        assert len(g) == 40
         assert_same_up_to_near_tie(ref, p, g, w)
     bm = llm.engine.block_manager
     assert bm.num_free == bm.num_blocks

@@ -43,6 +43,7 @@ def test_every_method_writes_a_loadable_checkpoint(tiny_dir, tmp_path, method, s
     qc = cfg["quantization_config"]
     assert qc["edgellm"]["method"] == method
     assert ("calibration" in qc["edgellm"]) == (method != "rtn")
+    assert ("awq" in qc["edgellm"]) == (method == "awq")  # its search settings, duo scaling
     assert (
         read_quant_config(cfg).bits == 4 and len(qc["config_groups"]) == 2
     )  # g64 and the g32 fallback
