@@ -126,7 +126,8 @@ print(json.dumps({"total": plan.total, "budget": plan.budget, "hwm": hwm,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("backend", "budget"), [("torch", "1.1GB"), ("llamacpp", "1.1GB")])
+# llama.cpp at 0.9 GB: its pool full takes 18 s to fill, 70 s at 1.1 GB (torch does not fit 0.9)
+@pytest.mark.parametrize(("backend", "budget"), [("torch", "1.1GB"), ("llamacpp", "0.9GB")])
 def test_plan_matches_the_measured_peak(backend, budget):
     """A fresh process with a budget and its KV pool full (24 sequences at once): its peak
     RSS is the plan's total within 10%, and inside the budget."""
