@@ -224,9 +224,10 @@ def search_scale(
     on x (mean|x| over x unless `x_mean` gives it). With `duo`, s = mean|x|^alpha /
     mean|w|^(1 - alpha) as AutoAWQ's and llm-compressor's default ("duo scaling"; mean|w|
     per input channel over the group's weights, each weight group scaled to a maximum of
-    1), except that alpha 0 stays plain RTN (s = 1) rather than 1 / mean|w|. With `protect` [m, in] (tokens left out
-    of x: the attention sinks), only candidates whose output error on those tokens stays
-    within SINK_SLACK of plain RTN's (alpha 0) are admitted.
+    1), except that alpha 0 stays plain RTN (s = 1) rather than 1 / mean|w|. With
+    `protect` [m, in] (tokens left out of x: the attention sinks), only candidates whose
+    output error on those tokens stays within SINK_SLACK of plain RTN's (alpha 0) are
+    admitted.
 
     Where a candidate's loss costs time in proportion to the tokens (a module's output, or
     a linear wider than the tokens, such as down_proj), every candidate is first scored on
@@ -244,9 +245,10 @@ def search_scale(
     w_mean = _weight_mean(weights, config) if duo else None
     cands = []
     for i in range(n_grid):
-        s = x_mean.pow(i / n_grid).clamp(min=1e-4)
+        s = x_mean.pow(i / n_grid)
         if w_mean is not None and i > 0:
-            s = (x_mean.pow(i / n_grid) / (w_mean.pow(1 - i / n_grid) + 1e-4)).clamp(min=1e-4)
+            s = s / (w_mean.pow(1 - i / n_grid) + 1e-4)
+        s = s.clamp(min=1e-4)
         cands.append(s / (s.max() * s.min()).sqrt())  # centre around 1: neither side overflows
 
     def quantized(s: torch.Tensor) -> list[torch.Tensor]:
@@ -344,7 +346,7 @@ def _loss_fn(
     names = [n.removeprefix(prefix) + ".weight" for n in group.linears]
     dtype = layer.get_submodule(group.linears[0]).weight.dtype
     xd = x.to(dtype)
-    ref = _inspected(layer, group)(x) if ref is None else ref
+    ref = module(xd).float() if ref is None else ref  # as `_inspected`
 
     def loss(cand: list[torch.Tensor]) -> float:
         params = {n: c.to(dtype) for n, c in zip(names, cand, strict=True)}

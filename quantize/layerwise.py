@@ -109,29 +109,20 @@ def _finish(gen) -> torch.Tensor:
     raise RuntimeError("forward_stages yielded more stages than QUANT_STAGES lists")
 
 
-@contextmanager
 def capture_inputs(layer: nn.Module, names: list[str], fn: Callable[[str, torch.Tensor], None]):
     """Call fn(name, x [tokens, in]) with the input of each named linear during forwards."""
-    handles = []
-    for name in names:
-        mod = layer.get_submodule(name)
-        handles.append(
-            mod.register_forward_hook(lambda m, args, out, n=name: fn(n, args[0].detach()))
-        )
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return _capture(layer, names, lambda n, args, out: fn(n, args[0].detach()))
+
+
+def capture_outputs(layer: nn.Module, names: list[str], fn: Callable[[str, torch.Tensor], None]):
+    """Call fn(name, y [..., out]) with the output of each named submodule during forwards."""
+    return _capture(layer, names, lambda n, args, out: fn(n, out.detach()))
 
 
 @contextmanager
-def capture_outputs(layer: nn.Module, names: list[str], fn: Callable[[str, torch.Tensor], None]):
-    """Call fn(name, y [..., out]) with the output of each named submodule during forwards."""
+def _capture(layer: nn.Module, names: list[str], hook):
     handles = [
-        layer.get_submodule(n).register_forward_hook(
-            lambda m, args, out, n=n: fn(n, out.detach())
-        )
+        layer.get_submodule(n).register_forward_hook(lambda m, args, out, n=n: hook(n, args, out))
         for n in names
     ]
     try:

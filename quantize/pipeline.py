@@ -70,7 +70,7 @@ class QuantizeOptions:
     awq_tokens: int = 4096  # AWQ: calibration tokens kept per layer for the searches
     awq_grid: int = 10  # AWQ: scale exponents tried per scale group
     # AWQ: tokens every candidate is first scored on where scoring costs per token; the
-    # best 3 and RTN are then scored on all awq_tokens (0: every candidate on every token)
+    # best 2 are then scored on all awq_tokens (0: every candidate on every token)
     awq_screen: int = 1024
     # AWQ: AutoAWQ's scales from activations and weights (see `awq.search_scale`); off: on
     # Qwen 1.5B W4 g128 they recovered 8% / 11% of RTN's loss against 24% / 13% without

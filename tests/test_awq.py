@@ -235,6 +235,18 @@ def test_a_bad_protected_share_is_rejected_before_any_change():
     assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
 
 
+def test_outputs_not_row_for_row_with_the_inputs_are_rejected_before_any_change():
+    layer = tiny_layer("llama")
+    inputs = capture_inputs(layer, layer_input(64, seed=0), attention_mix(seed=1))
+    with torch.no_grad():
+        mlp_out = layer.mlp(inputs["mlp.gate_proj"])[:-1]  # one row short
+    before = copy.deepcopy(layer.state_dict())
+    with pytest.raises(InvalidParameterError, match="outputs of 'mlp' for"):
+        awq_quantize_layer(layer, inputs, QuantConfig(group_size=32), "llama",
+                           outputs={"mlp": mlp_out})  # fmt: skip
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+
+
 def test_scale_groups_name_real_modules():
     layer = tiny_layer("qwen2")
     assert _scale_groups("llama") == _scale_groups("mistral") == _scale_groups("qwen2")
