@@ -11,8 +11,10 @@ from torch import nn
 from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
 from edgellm.quantize import pipeline
 from edgellm.quantize.awq import (
+    ScaleGroup,
     _loss_fn,
     _mean_abs,
+    _scale_group,
     _scale_groups,
     awq_quantize_layer,
     fake_quantize,
@@ -99,12 +101,13 @@ def with_weights(layer: nn.Module, weights: dict) -> nn.Module:
     return layer
 
 
-def v_scale(orig: nn.Module, layer: nn.Module) -> torch.Tensor | float:
-    """The s folded from o_proj's columns into v_proj's rows (1 under GQA: nothing folded)."""
-    o, o_orig = layer.self_attn.o_proj.weight, orig.self_attn.o_proj.weight
-    if o.shape[1] != layer.self_attn.v_proj.out_features:
-        return 1.0
-    return o.norm(dim=0) / o_orig.norm(dim=0)  # [H*hd]
+def v_scale(orig: nn.Module, layer: nn.Module) -> torch.Tensor:
+    """The s folded from o_proj's columns into v_proj's rows [KV*hd] (under GQA the query
+    heads of one KV head share it: their first head's)."""
+    attn = layer.self_attn
+    s = attn.o_proj.weight.norm(dim=0) / orig.self_attn.o_proj.weight.norm(dim=0)  # [H*hd]
+    r = attn.n_heads // attn.n_kv_heads
+    return s.view(attn.n_kv_heads, r, attn.head_dim)[:, 0].reshape(-1)
 
 
 def relative_errors(ref: dict, got: dict) -> dict:
@@ -183,17 +186,39 @@ def test_no_clip_returns_plain_rtn_of_the_scaled_weights():
             torch.testing.assert_close(mod.weight, expect, rtol=0, atol=0)
 
 
-def test_gqa_skips_v_to_o_and_mha_applies_it(caplog):
+def test_gqa_ties_o_scales_across_the_query_heads_of_each_kv_head(caplog):
     config = QuantConfig(bits=4, group_size=32)
     with caplog.at_level(logging.INFO, logger="edgellm.quantize.awq"):
         orig, layer, _, _ = run_awq(config, "qwen2")  # 4 heads over 2 KV heads
-    assert "skips self_attn.v_proj -> self_attn.o_proj" in caplog.text
-    assert torch.equal(layer.self_attn.o_proj.weight, orig.self_attn.o_proj.weight)
-    caplog.clear()
+    assert "skips" not in caplog.text
+    attn, attn0 = layer.self_attn, orig.self_attn
+    kv, r, hd = attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim
+    assert r == 2
+    s = (attn.o_proj.weight.norm(dim=0) / attn0.o_proj.weight.norm(dim=0)).view(kv, r, hd)
+    torch.testing.assert_close(s, s[:, :1].expand_as(s), rtol=1e-5, atol=0)  # tied
+    assert float(s.std() / s.mean()) > 0.01  # and it did scale
+    s_v = s[:, 0].reshape(-1)
+    s_in = orig.input_layernorm.weight / layer.input_layernorm.weight  # q/k/v's input scales
+    torch.testing.assert_close(attn.v_proj.weight * s_v[:, None], attn0.v_proj.weight * s_in)
+    torch.testing.assert_close(attn.v_proj.bias * s_v, attn0.v_proj.bias)  # Qwen2's qkv bias
     with caplog.at_level(logging.INFO, logger="edgellm.quantize.awq"):
         orig, layer, _, _ = run_awq(config, "llama", **MHA)
     assert "skips" not in caplog.text
     assert rel(layer.self_attn.o_proj.weight, orig.self_attn.o_proj.weight) > 0.01
+
+
+def test_pairs_that_cannot_share_scales_are_skipped(caplog):
+    """A linear whose outputs do not map onto the next one's inputs head by head."""
+    layer = tiny_layer("llama")
+    layer.mlp.down_proj = nn.Linear(layer.mlp.up_proj.out_features // 2, 64, bias=False)
+    group = ScaleGroup("mlp.up_proj", ["mlp.down_proj"])
+    x = torch.randn(32, layer.mlp.down_proj.in_features)
+    before = copy.deepcopy(layer.state_dict())
+    with caplog.at_level(logging.INFO, logger="edgellm.quantize.awq"):
+        s = _scale_group(layer, group, x, QuantConfig(group_size=32), n_grid=4)
+    assert "skips mlp.up_proj -> mlp.down_proj" in caplog.text
+    assert torch.equal(s, torch.ones(x.shape[1]))
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
 
 
 def test_unknown_model_type_is_rejected():
@@ -428,7 +453,6 @@ def test_duo_scaling_picks_the_best_of_autoawqs_candidates(group_index):
     got = search_scale(layer, group, x, config, 10, duo=True)
     torch.testing.assert_close(got, cands[min(range(10), key=lambda i: (losses[i], i))])
     assert not torch.equal(got, cands[0])  # outlier inputs: some scaling beats RTN
-
 
 
 def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
