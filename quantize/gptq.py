@@ -133,7 +133,7 @@ def _check_args(w, H, config: QuantConfig, block_size: int, damp: float) -> tupl
     if block_size < 1 or damp < 0:
         raise InvalidParameterError(f"need block_size >= 1 and damp >= 0, got {block_size}, {damp}")
     config.groups(inp)  # raises when the group size does not divide the row
-    if not torch.isfinite(H).all():
+    if not _all_finite(H):  # in row blocks: on the whole of H the check costs 1.6 H
         raise GPTQError(f"Hessian of the [{out}, {inp}] layer has NaN/inf entries")
     return out, inp
 
