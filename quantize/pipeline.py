@@ -119,10 +119,10 @@ SLACK_BYTES = 100 * MB
 
 
 # what the C heap keeps mapped of a layer's freed temporaries (glibc keeps the mid-sized ones
-# until `trim_heap`), as a share of the layer phase's parts: quantizing Qwen 1.5B, the peak
-# resident set rose 5% (GPTQ) and 13% (AWQ) above those parts' sum on one layer, and 24% for
-# AWQ over the whole model (VmRSS / VmHWM, measured)
-HEAP_SHARE = 0.25
+# until `trim_heap`), as a share of the layer phase's parts: quantizing one Qwen 1.5B layer,
+# the resident set rose 5% (GPTQ) and 13% (AWQ, before its search copies were counted) above
+# those parts' sum (VmRSS sampled every 10 ms)
+HEAP_SHARE = 0.15
 
 
 def current_rss() -> int:
@@ -169,7 +169,10 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
             spare = AWQ_SPARE_PER_SEQ * opts.n_samples + MAX_PROTECTED  # and the sinks
             sample = min(opts.awq_tokens + spare, tokens)
             kept = sample * (6 * d + q + inter)  # q/k/v, o, gate/up and the MLP's output, down
-            est["method"] = 4 * kept + 3 * chunk * inter * 4
+            # and while down's candidates are scored: its inputs divided by s, and gate/up's
+            # candidate weights while the MLP's are
+            search = sample * inter + 2 * d * inter
+            est["method"] = 4 * (kept + search) + 3 * chunk * inter * 4
         else:
             # the widest stage's inputs, what the paused chunks hold (residual, normed input),
             # H and the one [in, in] copy factored in place (`gptq._inverse_hessian_factor`),
