@@ -139,12 +139,12 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
     a time, with safetensors' copy of it and, untied, the LM head's table waiting; the
     calibration text only ever decodes the rows it uses) and the layers: one float32
     decoder layer with the dequantized copy the method writes back, the calibration hidden
-    states in and out, and what the method keeps (AWQ: the sampled inputs of every linear
-    and one chunk's MLP activations; GPTQ: the widest stage's inputs over every chunk, the
-    float32 Hessian, the one copy its factorization works in, and the column loop's copies
-    of the widest weight). Both sit on the base
-    (interpreter, torch, tokenizer: what this process holds when it plans, unless `base` is
-    given) and the checkpoint shard waiting to be written. The layer phase carries a share
+    states in and out, and what the method keeps (AWQ: the sampled inputs of every linear,
+    one chunk's MLP activations and the searches' copies; GPTQ: the widest stage's inputs
+    over every chunk, the float32 Hessian, the one copy its factorization works in, and the
+    column loop's copies of the widest weight). Both sit on the base (interpreter, torch,
+    tokenizer: what this process holds when it plans, unless `base` is given) and the
+    checkpoint shard waiting to be written. The layer phase carries a share
     for what the C heap keeps of its freed temporaries (`HEAP_SHARE`)."""
 
     d, inter = args.hidden_size, args.intermediate_size
