@@ -24,6 +24,7 @@ from torch.func import functional_call
 
 from edgellm.errors import InvalidParameterError
 from edgellm.models import get_model_module  # noqa: E402
+from edgellm.quantize.layerwise import compute_autocast
 from edgellm.quantize.rtn import (
     QuantConfig,
     QuantizedWeight,
@@ -60,6 +61,7 @@ def awq_quantize_layer(
     protect_share: float = 0.0,
     outputs: dict[str, torch.Tensor] | None = None,
     duo: bool = False,
+    compute: torch.dtype = torch.float32,
 ) -> dict[str, QuantizedWeight]:
     """AWQ-quantize every linear of `layer`; returns the codes per linear name.
 
@@ -79,7 +81,9 @@ def awq_quantize_layer(
     outputs: per inspected module (a group's `inspect`, e.g. "mlp"), its float output on the
     tokens of `inputs` (row for row), where the caller's forward already computed it: the
     scale search's reference, not computed again; duo: the scale candidates of AutoAWQ's
-    and llm-compressor's default ("duo scaling", see `search_scale`).
+    and llm-compressor's default ("duo scaling", see `search_scale`); compute: the dtype an
+    inspected module's matrix products run in when candidates are scored (as the caller's
+    forward that produced `outputs`, see `LayerRunner`).
     """
     groups = _scale_groups(model_type)
     _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
@@ -103,7 +107,8 @@ def awq_quantize_layer(
         sinks = [None if t is None else t.float() for t in sinks]
         scales = [
             _scale_group(
-                layer, g, x, config, n_grid, screen, _mean_abs(x, t, protect_share), t, ref, duo
+                layer, g, x, config, n_grid, screen, _mean_abs(x, t, protect_share), t, ref, duo,
+                compute,
             )
             for g, x, t, ref in zip(groups, xs, sinks, refs, strict=True)
         ]
@@ -187,6 +192,7 @@ def _scale_group(
     protect: torch.Tensor | None = None,
     ref: torch.Tensor | None = None,
     duo: bool = False,
+    compute: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # s [in]
     """Search the group's scales and fold them in; ones when the shapes forbid folding."""
     prev = layer.get_submodule(group.prev)
@@ -204,7 +210,7 @@ def _scale_group(
     tie = None if heads is None else lambda s: _tie(s, heads)
     s = search_scale(
         layer, group, x, config, n_grid, *screen, x_mean=x_mean, protect=protect, ref=ref,
-        duo=duo, tie=tie,
+        duo=duo, tie=tie, compute=compute,
     )  # fmt: skip
     fold_scale(prev, linears, s, None if heads is None else _first_head(s, heads))
     return s
@@ -251,6 +257,7 @@ def search_scale(
     ref: torch.Tensor | None = None,
     duo: bool = False,
     tie=None,
+    compute: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # s [in]
     """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE
     on x (mean|x| over x unless `x_mean` gives it). With `duo`, s = mean|x|^alpha /
@@ -270,7 +277,8 @@ def search_scale(
     tokens: all on all.
     `ref`: the inspected module's float output on x, where the caller has it (else computed
     here, once: the screening tokens' is a part of it). `tie`: s -> s with the entries that
-    must share one value averaged (see `_kv_heads`), applied to every candidate.
+    must share one value averaged (see `_kv_heads`), applied to every candidate. `compute`:
+    the dtype an inspected module's matrix products run in (see `LayerRunner`).
     """
     linears = [layer.get_submodule(n) for n in group.linears]
     weights = [lin.weight.float() for lin in linears]  # [out_i, in]
@@ -288,8 +296,8 @@ def search_scale(
         return [fake_quantize(w, config, col_scale=s) for w in weights]
 
     if group.inspect is not None and ref is None:
-        ref = _inspected(layer, group)(x)
-    loss_fn = _loss_fn(layer, group, x, weights, ref)
+        ref = _inspected(layer, group, compute)(x)
+    loss_fn = _loss_fn(layer, group, x, weights, ref, compute)
     screened = 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x)
     screened = screened and n_grid > screen_keep
     # one pass over the candidates, one fake quantization each: the sinks' error (admission)
@@ -297,10 +305,12 @@ def search_scale(
     first_fn = loss_fn
     if screened:
         idx = _evenly_index(x.shape[0], screen_tokens)
-        first_fn = _loss_fn(layer, group, x[idx], weights, None if ref is None else ref[idx])
+        first_fn = _loss_fn(
+            layer, group, x[idx], weights, None if ref is None else ref[idx], compute
+        )
     sink_fn = None
     if protect is not None and protect.shape[0]:
-        sink_fn = _loss_fn(layer, group, protect.float(), weights)
+        sink_fn = _loss_fn(layer, group, protect.float(), weights, compute=compute)
     first, sink = {}, {}
     for i, s in enumerate(cands):
         q = quantized(s)
@@ -339,11 +349,17 @@ def _costs_per_token(group: ScaleGroup, x: torch.Tensor) -> bool:
     return group.inspect is not None or x.shape[0] < x.shape[1]
 
 
-def _inspected(layer: nn.Module, group: ScaleGroup):
-    """x -> the group's inspected module's float32 output on x (in the layer's dtype)."""
+def _inspected(layer: nn.Module, group: ScaleGroup, compute: torch.dtype = torch.float32):
+    """x -> the group's inspected module's float32 output on x (in the layer's dtype, its
+    products in `compute`)."""
     module = layer.get_submodule(group.inspect)
     dtype = layer.get_submodule(group.linears[0]).weight.dtype
-    return lambda x: module(x.to(dtype)).float()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with compute_autocast(compute):
+            return module(x.to(dtype)).float()
+
+    return run
 
 
 def _loss_fn(
@@ -352,9 +368,11 @@ def _loss_fn(
     x: torch.Tensor,
     weights: list[torch.Tensor],
     ref: torch.Tensor | None = None,
+    compute: torch.dtype = torch.float32,
 ):
     """Output MSE of candidate weights (acting on the unscaled x) against the float weights
-    (for an inspected module: against `ref`, its float output on x, computed if not given)."""
+    (for an inspected module: against `ref`, its float output on x, computed if not given,
+    the module's products in `compute`)."""
     if group.inspect is None:
         # mean over tokens and outputs of (x d^T)^2 = sum((d @ G) * d) / n_out with G = x^T x / n:
         # through the Gram matrix when the tokens outnumber the inputs (2 out in^2 flops per
@@ -379,11 +397,13 @@ def _loss_fn(
     names = [n.removeprefix(prefix) + ".weight" for n in group.linears]
     dtype = layer.get_submodule(group.linears[0]).weight.dtype
     xd = x.to(dtype)
-    ref = module(xd).float() if ref is None else ref  # as `_inspected`
+    ref = _inspected(layer, group, compute)(x) if ref is None else ref
 
     def loss(cand: list[torch.Tensor]) -> float:
         params = {n: c.to(dtype) for n, c in zip(names, cand, strict=True)}
-        return float((functional_call(module, params, (xd,)).float() - ref).pow(2).mean())
+        with compute_autocast(compute):
+            y = functional_call(module, params, (xd,))
+        return float((y.float() - ref).pow(2).mean())
 
     return loss
 

@@ -42,11 +42,20 @@ def embed(source: WeightSource, tokens: torch.Tensor) -> torch.Tensor:  # [n, L]
 
 
 class LayerRunner:
-    """Calls a decoder layer on batches of equal-length sequences (one KV block each)."""
+    """Calls a decoder layer on batches of equal-length sequences (one KV block each).
 
-    def __init__(self, args: ModelArgs, seq_len: int, chunk: int = 8):
+    compute: the dtype its matrix products run in. bfloat16 (autocast: the weights and the
+    residual stream stay float32, each product's operands are rounded to bf16 and its sums
+    kept in float32) halves a calibration forward where the CPU multiplies bf16 natively: a
+    Qwen 1.5B layer over 16,384 tokens took 5.0 s instead of 10.0 s on an AVX512-BF16 EPYC,
+    its update to the residual stream 0.3% (layer 0: 2%) away from float32's.
+    """
+
+    def __init__(
+        self, args: ModelArgs, seq_len: int, chunk: int = 8, compute: torch.dtype = torch.float32
+    ):
         module = get_model_module(args.model_type)
-        self.seq_len, self.chunk = seq_len, chunk
+        self.seq_len, self.chunk, self.compute = seq_len, chunk, compute
         inv_freq = module.rope_inv_freq(args)
         freqs = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), -1)[:, None, :]  # [L, 1, D]
@@ -66,7 +75,8 @@ class LayerRunner:
         for s, x in self.chunks(hidden):
             n = x.shape[0]
             cos, sin = self.cos.repeat(n, 1, 1), self.sin.repeat(n, 1, 1)
-            y = layer(x.reshape(n * self.seq_len, -1), cos, sin, self.kv, self._meta(n))
+            with compute_autocast(self.compute):
+                y = layer(x.reshape(n * self.seq_len, -1), cos, sin, self.kv, self._meta(n))
             out[s : s + n] = y.view_as(x)
         return out
 
@@ -89,16 +99,24 @@ class LayerRunner:
             )
             shapes.append(x.shape)
         for i in range(n_stages):
-            parts = [next(g) for g in gens]
+            with compute_autocast(self.compute):  # each chunk's stage i runs inside next()
+                parts = [next(g) for g in gens]
             # gather=False: the chunks' inputs as a list, never one [tokens, in] copy (GPTQ's
             # widest stage, 16k tokens x 8960 MLP channels, would be 587 MB more)
             on_stage(i, torch.cat(parts) if gather else parts)
             del parts
-        return torch.cat([_finish(g).view(shape) for g, shape in zip(gens, shapes, strict=True)])
+        with compute_autocast(self.compute):
+            outs = [_finish(g).view(shape) for g, shape in zip(gens, shapes, strict=True)]
+        return torch.cat(outs)
 
     def chunks(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         for s in range(0, hidden.shape[0], self.chunk):
             yield s, hidden[s : s + self.chunk]
+
+
+def compute_autocast(dtype: torch.dtype):
+    """A context in which matrix products run in `dtype` (autocast); float32: no change."""
+    return torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
 
 
 def _finish(gen) -> torch.Tensor:

@@ -455,6 +455,27 @@ def test_duo_scaling_picks_the_best_of_autoawqs_candidates(group_index):
     assert not torch.equal(got, cands[0])  # outlier inputs: some scaling beats RTN
 
 
+def test_the_next_layer_calibrates_on_the_quantized_layers_output():
+    """awq_propagate: the next layer's inputs are this layer's output with its quantized
+    weights and folded scales, as GPTQ's; off (the default): the float layer's output."""
+    hf, cfg = tiny_hf_model("llama")
+    model = ours_from_hf(hf, cfg)
+    layer, args = model.model.layers[0], model.args
+    hidden = torch.randn(4, 16, args.hidden_size, generator=torch.Generator().manual_seed(0))
+    runner = LayerRunner(args, 16, chunk=2)
+    float_out = runner(copy.deepcopy(layer), hidden)
+    assert not QuantizeOptions().awq_propagate
+    for propagate in (True, False):
+        quantized = copy.deepcopy(layer)
+        opts = QuantizeOptions("awq", group_size=32, awq_tokens=48, awq_propagate=propagate)
+        _, after = quantize_layer(quantized, runner, hidden, opts, "llama", _stages(args))
+        if propagate:
+            assert torch.equal(after, runner(quantized, hidden))
+            assert (after - float_out).abs().max() > 1e-3  # W4 of a random layer: not float
+        else:
+            assert torch.equal(after, float_out)
+
+
 def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
     # position 0's residual 200x the others', as Qwen2.5's attention sinks from layer 2 on:
     # its squared errors would dominate every search, though RMSNorm divides them away

@@ -109,3 +109,23 @@ def test_forward_stages_equals_forward():
     staged = runner.staged(layer, x, 4, lambda i, inp: seen.append((i, inp.shape)))
     torch.testing.assert_close(staged, runner(layer, x), atol=1e-5, rtol=1e-5)
     assert [i for i, _ in seen] == [0, 1, 2, 3] and seen[3][1] == (5 * 24, 128)
+
+
+def test_bf16_compute_runs_the_products_in_bf16():
+    """LayerRunner(compute=bfloat16): the same function within bf16's rounding, not the
+    float32 numbers (the products did run in bf16), float32 out, staged equal to plain."""
+    from edgellm.quantize.layerwise import LayerRunner
+
+    hf, cfg = tiny_hf_model("qwen2")
+    model = ours_from_hf(hf, cfg)
+    layer = model.model.layers[0]
+    x = torch.randn(5, 24, model.args.hidden_size)
+    ref = LayerRunner(model.args, seq_len=24, chunk=2)(layer, x)
+    runner = LayerRunner(model.args, seq_len=24, chunk=2, compute=torch.bfloat16)
+    got = runner(layer, x)
+    assert got.dtype == torch.float32
+    rel = float((got - ref).norm() / (ref - x).norm())
+    assert 1e-4 < rel < 3e-2, rel
+    staged = runner.staged(layer, x, 4, lambda i, inp: None)
+    torch.testing.assert_close(staged, got, atol=0, rtol=0)
+    assert not torch.is_autocast_enabled("cpu")  # left as it was

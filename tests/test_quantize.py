@@ -44,6 +44,8 @@ def test_every_method_writes_a_loadable_checkpoint(tiny_dir, tmp_path, method, s
     assert qc["edgellm"]["method"] == method
     assert ("calibration" in qc["edgellm"]) == (method != "rtn")
     assert ("awq" in qc["edgellm"]) == (method == "awq")  # its search settings, duo scaling
+    if method != "rtn":  # the forwards' product dtype, as this CPU resolved "auto"
+        assert qc["edgellm"]["calibration"]["compute"] == str(opts.compute_dtype)[6:]
     assert (
         read_quant_config(cfg).bits == 4 and len(qc["config_groups"]) == 2
     )  # g64 and the g32 fallback
@@ -88,6 +90,8 @@ def test_refuses_existing_output_and_bad_options(tiny_dir, tmp_path):
         QuantizeOptions(method="squeeze")
     with pytest.raises(InvalidParameterError, match="bits"):
         QuantizeOptions(bits=1)
+    with pytest.raises(InvalidParameterError, match="unknown compute dtype 'fp8'"):
+        QuantizeOptions(compute="fp8")
     short = tmp_path / "short.txt"
     short.write_text("far too short")
     with pytest.raises(InvalidParameterError, match="fewer than one sample"):
@@ -98,6 +102,18 @@ def test_refuses_existing_output_and_bad_options(tiny_dir, tmp_path):
             progress=False,
         )
     assert not (tmp_path / "y").exists()
+
+
+def test_auto_compute_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch):
+    """bf16 products where the CPU has them natively; elsewhere torch converts and runs them
+    slower than float32, so "auto" stays float32. An explicit choice is taken as given."""
+    from edgellm.kernels import cpu
+
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
+        assert QuantizeOptions().compute_dtype == want
+        assert QuantizeOptions(compute="float32").compute_dtype == torch.float32
+        assert QuantizeOptions(compute="bfloat16").compute_dtype == torch.bfloat16
 
 
 def test_interrupted_run_leaves_no_complete_looking_output(tiny_dir, tmp_path, monkeypatch):
@@ -133,6 +149,11 @@ def test_cli_quantize(tiny_dir, tmp_path, capsys, monkeypatch):
         ["quantize", str(tiny_dir), "-o", str(out), "--method", "rtn"], capsys, monkeypatch
     )
     assert code == 1 and err.startswith("error:") and "exists" in err
+    code, _, err = run_cli(
+        ["quantize", str(tiny_dir), "-o", str(tmp_path / "c2"), "--compute", "fp8"],
+        capsys, monkeypatch,
+    )  # fmt: skip
+    assert code == 1 and "unknown compute dtype" in err and not (tmp_path / "c2").exists()
 
 
 @pytest.mark.slow

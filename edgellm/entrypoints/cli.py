@@ -460,6 +460,13 @@ def quantize(
     seed: int = 0,
     chat_template: Annotated[bool, typer.Option(help="format calibration text as chat")] = False,
     act_order: Annotated[bool, typer.Option(help="GPTQ activation order (static groups)")] = True,
+    compute: Annotated[
+        str,
+        typer.Option(
+            help="auto | float32 | bfloat16: the calibration forwards' matrix products "
+            "(auto: bfloat16 where the CPU multiplies it natively)"
+        ),
+    ] = "auto",
     eval_: Annotated[
         bool, typer.Option("--eval", help="perplexity before/after on held-out sotu")
     ] = False,
@@ -477,8 +484,9 @@ def quantize(
     if not out:
         raise InvalidParameterError("--out/-o is required")
     opts = QuantizeOptions(
-        method, bits, group_size, sym, calib, samples, seq_len, seed, chat_template, act_order
-    )
+        method, bits, group_size, sym, calib, samples, seq_len, seed, chat_template, act_order,
+        compute=compute,
+    )  # fmt: skip
     report = run_quantize(
         model, out, opts, force=force, eval_text="sotu" if eval_ else None,
         measure_ppl=measure_ppl, memory_budget=parse_size(memory_budget) if memory_budget else None,
