@@ -220,10 +220,12 @@ def step_decode(ctx, path: str) -> dict:
     llm = edgellm_llm(Path(path), ctx.args.threads, max_num_seqs=4)
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     n = ctx.args.tokens
-    ours = edgellm_decode(llm, ids, n, ctx.args.rounds)
+    ours, peer = [], []
+    for _ in range(ctx.args.rounds):  # alternate: a noisy neighbour or drift hits both alike
+        ours += edgellm_decode(llm, ids, n, 1)
+        peer += llama_decode(Path(path), ids, n, ctx.args.threads, 1)
     llm.engine.backend.close()
     del llm
-    peer = llama_decode(Path(path), ids, n, ctx.args.threads, ctx.args.rounds)
     # the same on one thread: a kernel limited by memory gains little from a second core
     # (one core alone reads `numpy 1 thread`), one limited by compute nearly doubles
     one = llama_decode(Path(path), ids, n, 1, ctx.args.rounds)

@@ -301,6 +301,20 @@ def test_scale_loss_from_gram_matches_output_mse():
     assert _loss_fn(layer, group, x, ws)(cands) == pytest.approx(float(direct), rel=1e-4)
 
 
+def test_module_loss_in_bf16_compute_is_the_float_loss_within_bf16_rounding():
+    """compute=bfloat16: the MLP's candidates are scored with bf16 products (as the bf16
+    forward that captured the reference), close to the float32 score, yet not equal to it."""
+    layer = tiny_layer("llama")
+    group = _scale_groups("llama")[2]  # gate/up, scored on the MLP's output
+    x = layer_input(64, seed=1)
+    ws = [layer.get_submodule(n).weight.detach() for n in group.linears]
+    cands = [fake_quantize(w, QuantConfig(bits=3, group_size=16)) for w in ws]
+    f32 = _loss_fn(layer, group, x, ws)(cands)
+    bf16 = _loss_fn(layer, group, x, ws, compute=torch.bfloat16)(cands)
+    assert bf16 != f32 and bf16 == pytest.approx(f32, rel=0.05)
+    assert not torch.is_autocast_enabled("cpu")
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_fake_quantize_matches_rtn_and_clip_never_hurts(config):
     g = torch.Generator().manual_seed(0)
@@ -408,8 +422,8 @@ def test_screened_scale_search_scores_few_candidates_on_every_token(group_index)
     config = QuantConfig(bits=3, group_size=16)
     calls: list[int] = []
 
-    def counting(layer_, group_, x_, weights, ref=None):
-        fn = _loss_fn(layer_, group_, x_, weights, ref)
+    def counting(layer_, group_, x_, weights, ref=None, compute=torch.float32):
+        fn = _loss_fn(layer_, group_, x_, weights, ref, compute)
 
         def scored(cand):
             calls.append(x_.shape[0])
