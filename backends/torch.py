@@ -37,7 +37,7 @@ def resolve_dtype(name: str) -> str:
     converts and runs several times slower than fp32 (measured on AVX2)."""
     if name != "auto":
         return name
-    return "bfloat16" if cpu.native_bf16() else "float32"
+    return cpu.auto_dtype()
 
 
 def describe() -> str:

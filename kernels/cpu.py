@@ -59,6 +59,12 @@ def native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+def auto_dtype() -> str:
+    """What "auto" means for torch compute here: bfloat16 where the CPU multiplies it
+    natively, float32 elsewhere (where bf16 matmuls run several times slower, on AVX2)."""
+    return "bfloat16" if native_bf16() else "float32"
+
+
 def _build() -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

@@ -53,7 +53,7 @@ from edgellm.sysmem import trim_heap
 from edgellm.version import __version__
 
 METHODS = ("rtn", "awq", "gptq")
-COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(slots=True)
@@ -103,9 +103,7 @@ class QuantizeOptions:
     @property
     def compute_dtype(self) -> torch.dtype:
         """`compute` made concrete for this CPU."""
-        if self.compute == "auto":
-            return torch.bfloat16 if cpu.native_bf16() else torch.float32
-        return COMPUTE_DTYPES[self.compute]
+        return getattr(torch, cpu.auto_dtype() if self.compute == "auto" else self.compute)
 
     @property
     def needs_calibration(self) -> bool:
