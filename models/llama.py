@@ -49,13 +49,21 @@ GGUF_GLOBAL_NAMES = {
 # AWQ scale groups: (op before the linears that absorbs 1/s, linears sharing its output,
 # module whose output measures the loss or None for the linears'); paths within a layer
 AWQ_SCALE_GROUPS: list[tuple[str, list[str], str | None]] = [
-    ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], None),
+    # q and k act through the attention scores: judged by the attention's output (as AutoAWQ
+    # and llm-compressor do) where the caller gives whole sequences, else by q, k, v's outputs
+    (
+        "input_layernorm",
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        "self_attn",
+    ),
     # attention mixes v per channel, so v's rows can absorb 1/s when each o input is one v
     # output (no GQA); checked at run time from the shapes
     ("self_attn.v_proj", ["self_attn.o_proj"], None),
     ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"),
     ("mlp.up_proj", ["mlp.down_proj"], None),
 ]
+# inspected modules that mix tokens: scored on whole calibration sequences (awq.SequenceProbe)
+AWQ_SEQUENCE_MODULES = ("self_attn",)
 
 
 # Linear layers of a decoder layer in the order data flows through them; each stage's

@@ -16,7 +16,7 @@ twin) to produce the next layer's inputs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -43,6 +43,28 @@ class ScaleGroup:
     prev: str  # a norm (weight /= s) or a linear (output rows and bias /= s)
     linears: list[str]  # weight columns *= s; paths relative to the decoder layer
     inspect: str | None = None  # module whose output measures the loss; None: the linears'
+    # the inspected module mixes tokens (attention): scored on whole sequences (`SequenceProbe`)
+    whole_sequences: bool = False
+
+    @property
+    def on_tokens(self) -> ScaleGroup:
+        """The group as scored on a sample of tokens: a module that mixes tokens cannot be,
+        so there its linears' own outputs measure the loss."""
+        return replace(self, inspect=None, whole_sequences=False) if self.whole_sequences else self
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceProbe:
+    """Whole calibration sequences on which to score a module that mixes tokens (attention):
+    its output at a token depends on the tokens before it, so a sample of tokens cannot
+    score it. x: the module's float input [T, in] (its linears' input, before any scaling);
+    args: the rest of its forward's arguments for these sequences (rope tables, a KV buffer,
+    the attention metadata); sinks: [T] bool, the massive tokens: left out of the loss (as
+    from the sample), their outputs only admit candidates (see `search_scale`'s protect)."""
+
+    x: torch.Tensor
+    args: tuple
+    sinks: torch.Tensor
 
 
 def awq_quantize_layer(
@@ -62,6 +84,7 @@ def awq_quantize_layer(
     outputs: dict[str, torch.Tensor] | None = None,
     duo: bool = False,
     compute: torch.dtype = torch.float32,
+    sequences: dict[str, SequenceProbe] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """AWQ-quantize every linear of `layer`; returns the codes per linear name.
 
@@ -83,8 +106,12 @@ def awq_quantize_layer(
     scale search's reference, not computed again; duo: the scale candidates of AutoAWQ's
     and llm-compressor's default ("duo scaling", see `search_scale`); compute: the dtype an
     inspected module's matrix products run in when candidates are scored (as the caller's
-    forward that produced `outputs`, see `LayerRunner`).
+    forward that produced `outputs`, see `LayerRunner`); sequences: per inspected module that
+    mixes tokens (a group with `whole_sequences`, e.g. "self_attn"), whole calibration
+    sequences to score its group's candidates on; a group whose module has none is scored by
+    its linears' outputs on the sample.
     """
+    sequences = sequences or {}
     groups = _scale_groups(model_type)
     _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
     if guard_tokens < 0:
@@ -108,7 +135,7 @@ def awq_quantize_layer(
         scales = [
             _scale_group(
                 layer, g, x, config, n_grid, screen, _mean_abs(x, t, protect_share), t, ref, duo,
-                compute,
+                compute, sequences.get(g.inspect) if g.whole_sequences else None,
             )
             for g, x, t, ref in zip(groups, xs, sinks, refs, strict=True)
         ]
@@ -129,8 +156,9 @@ def awq_quantize_layer(
 def _scale_groups(model_type: str) -> list[ScaleGroup]:
     """The architecture's scale groups, data in its models/ file."""
     family = get_model_module(model_type)
+    mixing = set(getattr(family, "AWQ_SEQUENCE_MODULES", ()))
     return [
-        ScaleGroup(prev, list(linears), inspect)
+        ScaleGroup(prev, list(linears), inspect, inspect in mixing)
         for prev, linears, inspect in family.AWQ_SCALE_GROUPS
     ]
 
@@ -193,6 +221,7 @@ def _scale_group(
     ref: torch.Tensor | None = None,
     duo: bool = False,
     compute: torch.dtype = torch.float32,
+    probe: SequenceProbe | None = None,
 ) -> torch.Tensor:  # s [in]
     """Search the group's scales and fold them in; ones when the shapes forbid folding."""
     prev = layer.get_submodule(group.prev)
@@ -210,7 +239,7 @@ def _scale_group(
     tie = None if heads is None else lambda s: _tie(s, heads)
     s = search_scale(
         layer, group, x, config, n_grid, *screen, x_mean=x_mean, protect=protect, ref=ref,
-        duo=duo, tie=tie, compute=compute,
+        duo=duo, tie=tie, compute=compute, probe=probe,
     )  # fmt: skip
     fold_scale(prev, linears, s, None if heads is None else _first_head(s, heads))
     return s
@@ -258,6 +287,7 @@ def search_scale(
     duo: bool = False,
     tie=None,
     compute: torch.dtype = torch.float32,
+    probe: SequenceProbe | None = None,
 ) -> torch.Tensor:  # s [in]
     """Grid-search s = mean|x|^alpha, alpha in [0, 1), minimising the group's output MSE
     on x (mean|x| over x unless `x_mean` gives it). With `duo`, s = mean|x|^alpha /
@@ -278,7 +308,10 @@ def search_scale(
     `ref`: the inspected module's float output on x, where the caller has it (else computed
     here, once: the screening tokens' is a part of it). `tie`: s -> s with the entries that
     must share one value averaged (see `_kv_heads`), applied to every candidate. `compute`:
-    the dtype an inspected module's matrix products run in (see `LayerRunner`).
+    the dtype an inspected module's matrix products run in (see `LayerRunner`). `probe`:
+    whole sequences on which every candidate is scored instead, by the inspected module's
+    output (which mixes tokens) on its tokens other than the sinks, the sinks' admitting
+    (x still gives mean|x|; `protect` is then unused).
     """
     linears = [layer.get_submodule(n) for n in group.linears]
     weights = [lin.weight.float() for lin in linears]  # [out_i, in]
@@ -295,28 +328,36 @@ def search_scale(
     def quantized(s: torch.Tensor) -> list[torch.Tensor]:
         return [fake_quantize(w, config, col_scale=s) for w in weights]
 
-    if group.inspect is not None and ref is None:
-        ref = _inspected(layer, group, compute)(x)
-    loss_fn = _loss_fn(layer, group, x, weights, ref, compute)
-    screened = 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x)
-    screened = screened and n_grid > screen_keep
-    # one pass over the candidates, one fake quantization each: the sinks' error (admission)
-    # and the loss on all tokens, or on the screening tokens when screened
-    first_fn = loss_fn
-    if screened:
-        idx = _evenly_index(x.shape[0], screen_tokens)
-        first_fn = _loss_fn(
-            layer, group, x[idx], weights, None if ref is None else ref[idx], compute
-        )
-    sink_fn = None
-    if protect is not None and protect.shape[0]:
-        sink_fn = _loss_fn(layer, group, protect.float(), weights, compute=compute)
+    if probe is not None:
+        score = _probe_score(layer, group, probe, weights, compute)
+        screened = False
+    else:
+        group = group.on_tokens
+        if group.inspect is not None and ref is None:
+            ref = _inspected(layer, group, compute)(x)
+        loss_fn = _loss_fn(layer, group, x, weights, ref, compute)
+        screened = 0 < screen_tokens < x.shape[0] and _costs_per_token(group, x)
+        screened = screened and n_grid > screen_keep
+        # one pass over the candidates, one fake quantization each: the sinks' error
+        # (admission) and the loss on all tokens, or on the screening tokens when screened
+        first_fn = loss_fn
+        if screened:
+            idx = _evenly_index(x.shape[0], screen_tokens)
+            first_fn = _loss_fn(
+                layer, group, x[idx], weights, None if ref is None else ref[idx], compute
+            )
+        sink_fn = None
+        if protect is not None and protect.shape[0]:
+            sink_fn = _loss_fn(layer, group, protect.float(), weights, compute=compute)
+
+        def score(q: list[torch.Tensor]) -> tuple[float, float | None]:
+            return first_fn(q), None if sink_fn is None else sink_fn(q)
+
     first, sink = {}, {}
     for i, s in enumerate(cands):
-        q = quantized(s)
-        first[i] = first_fn(q)
-        if sink_fn is not None:
-            sink[i] = sink_fn(q)
+        first[i], e = score(quantized(s))
+        if e is not None:
+            sink[i] = e
     admitted = [i for i in first if not sink or sink[i] <= sink[0] * (1 + SINK_SLACK)]
     if screened:
         kept = sorted(admitted, key=lambda i: (first[i], i))[:screen_keep]
@@ -326,8 +367,47 @@ def search_scale(
     best = min(losses, key=lambda i: (losses[i], i))  # the smaller alpha on ties
     # against RTN on the tokens both were scored on (the screening ones, when screened)
     ratio = first[best] / first[0] if first[0] > 0 else 1.0
-    log.info("AWQ %s: alpha %.2f, output error %.3fx RTN", group.prev, best / n_grid, ratio)
+    free = min(first, key=lambda i: (first[i], i))  # unconstrained by the sinks
+    log.info(
+        "AWQ %s: alpha %.2f, output error %.3fx RTN (%d of %d admitted by the sinks; "
+        "best without them: alpha %.2f, %.3fx RTN)",
+        group.prev, best / n_grid, ratio, len(admitted), len(first), free / n_grid,
+        first[free] / first[0] if first[0] > 0 else 1.0,
+    )  # fmt: skip
     return cands[best]
+
+
+def _probe_score(
+    layer: nn.Module,
+    group: ScaleGroup,
+    probe: SequenceProbe,
+    weights: list[torch.Tensor],
+    compute: torch.dtype = torch.float32,
+):
+    """Candidate weights -> (output MSE of the inspected module over the probe's tokens other
+    than the sinks, that over the sinks or None), against its output with `weights`."""
+    module = layer.get_submodule(group.inspect)
+    prefix = group.inspect + "."
+    names = [n.removeprefix(prefix) + ".weight" for n in group.linears]
+    dtype = layer.get_submodule(group.linears[0]).weight.dtype
+    xd = probe.x.to(dtype)
+    sinks = probe.sinks.to(torch.bool)
+    if sinks.shape != (xd.shape[0],):
+        raise InvalidParameterError(f"probe sinks {tuple(sinks.shape)} for {xd.shape[0]} tokens")
+    keep = ~sinks
+
+    def run(cand: list[torch.Tensor]) -> torch.Tensor:
+        params = {n: c.to(dtype) for n, c in zip(names, cand, strict=True)}
+        with compute_autocast(compute):
+            return functional_call(module, params, (xd, *probe.args)).float()
+
+    ref = run(weights)
+
+    def score(cand: list[torch.Tensor]) -> tuple[float, float | None]:
+        err = (run(cand) - ref).pow(2).mean(1)  # [T]
+        return float(err[keep].mean()), float(err[sinks].mean()) if sinks.any() else None
+
+    return score
 
 
 def _weight_mean(weights: list[torch.Tensor], config: QuantConfig) -> torch.Tensor:
@@ -346,7 +426,7 @@ SINK_SLACK = 0.0
 
 def _costs_per_token(group: ScaleGroup, x: torch.Tensor) -> bool:
     """Whether `_loss_fn` runs over the tokens (else through their Gram matrix, once)."""
-    return group.inspect is not None or x.shape[0] < x.shape[1]
+    return group.on_tokens.inspect is not None or x.shape[0] < x.shape[1]
 
 
 def _inspected(layer: nn.Module, group: ScaleGroup, compute: torch.dtype = torch.float32):
@@ -373,6 +453,7 @@ def _loss_fn(
     """Output MSE of candidate weights (acting on the unscaled x) against the float weights
     (for an inspected module: against `ref`, its float output on x, computed if not given,
     the module's products in `compute`)."""
+    group = group.on_tokens
     if group.inspect is None:
         # mean over tokens and outputs of (x d^T)^2 = sum((d @ G) * d) / n_out with G = x^T x / n:
         # through the Gram matrix when the tokens outnumber the inputs (2 out in^2 flops per

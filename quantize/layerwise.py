@@ -69,14 +69,20 @@ class LayerRunner:
             torch.arange(n * L), list(range(0, (n + 1) * L, L)), [L] * n, torch.arange(n)[:, None]
         )
 
+    def sequence_args(self, n: int) -> tuple:
+        """(cos, sin, KV buffer, metadata): what a layer (or its attention) takes besides its
+        input [n * seq_len, D] for n <= chunk whole sequences. The buffer is shared."""
+        if not 0 < n <= self.chunk:
+            raise ValueError(f"1 to {self.chunk} sequences per call, got {n}")
+        return self.cos.repeat(n, 1, 1), self.sin.repeat(n, 1, 1), self.kv, self._meta(n)
+
     @torch.inference_mode()
     def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [N, L, D]
         out = torch.empty_like(hidden)
         for s, x in self.chunks(hidden):
             n = x.shape[0]
-            cos, sin = self.cos.repeat(n, 1, 1), self.sin.repeat(n, 1, 1)
             with compute_autocast(self.compute):
-                y = layer(x.reshape(n * self.seq_len, -1), cos, sin, self.kv, self._meta(n))
+                y = layer(x.reshape(n * self.seq_len, -1), *self.sequence_args(n))
             out[s : s + n] = y.view_as(x)
         return out
 
@@ -90,12 +96,9 @@ class LayerRunner:
         gens, shapes = [], []
         for _, x in self.chunks(hidden):
             n = x.shape[0]
-            cos, sin = self.cos.repeat(n, 1, 1), self.sin.repeat(n, 1, 1)
             # chunks share the KV buffer: each chunk's attention runs inside one next() call
             gens.append(
-                layer.forward_stages(
-                    x.reshape(n * self.seq_len, -1), cos, sin, self.kv, self._meta(n)
-                )
+                layer.forward_stages(x.reshape(n * self.seq_len, -1), *self.sequence_args(n))
             )
             shapes.append(x.shape)
         for i in range(n_stages):

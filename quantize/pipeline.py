@@ -34,7 +34,7 @@ from edgellm.kernels import cpu
 from edgellm.loaders.model import load_model
 from edgellm.loaders.weights import ROW_CHUNK, rows_as
 from edgellm.models import get_model_module
-from edgellm.quantize.awq import awq_quantize_layer
+from edgellm.quantize.awq import SequenceProbe, awq_quantize_layer
 from edgellm.quantize.calibration import DEFAULT_CALIBRATION, calibration_tokens
 from edgellm.quantize.checkpoint import SHARD_BYTES, CheckpointWriter
 from edgellm.quantize.gptq import HessianAccumulator, gptq_quantize
@@ -84,6 +84,9 @@ class QuantizeOptions:
     # output. One more forward per layer: on Qwen 1.5B W4 g128, 824 s instead of 680 s for
     # 23% / 26% of RTN's loss recovered instead of 24% / 21% (sotu / Shakespeare)
     awq_propagate: bool = False
+    # AWQ: whole calibration sequences on which q/k/v's scales are scored by the attention's
+    # output (0: by q, k and v's own outputs on the token sample)
+    awq_sequences: int = 8
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -297,8 +300,17 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     protect: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     per_chunk_tokens = runner.chunk * hidden.shape[1]
     # the inspected modules' float outputs on the sample: the scale search's reference
-    inspected = sorted({g[2] for g in get_model_module(model_type).AWQ_SCALE_GROUPS if g[2]})
+    family = get_model_module(model_type)
+    mixing = set(getattr(family, "AWQ_SEQUENCE_MODULES", ()))
+    inspected = sorted({g[2] for g in family.AWQ_SCALE_GROUPS if g[2] and g[2] not in mixing})
     outputs: dict[str, list[torch.Tensor]] = {m: [] for m in inspected}
+    # modules that mix tokens: their input on the first awq_sequences whole sequences
+    n_seq = min(opts.awq_sequences, runner.chunk, hidden.shape[0])
+    probe_x: dict[str, torch.Tensor] = {}
+
+    def keep_probe(name, x):
+        if name not in probe_x:  # the first chunk's
+            probe_x[name] = x[: n_seq * hidden.shape[1]].clone()
 
     def keep(name, x):
         x = x.reshape(-1, x.shape[-1])
@@ -315,7 +327,12 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     def keep_output(name, y):  # runs after the chunk's first linear: its sample is drawn
         outputs[name].append(y.reshape(-1, y.shape[-1])[picks[len(outputs[name])]].clone())
 
-    with capture_inputs(layer, names, keep), capture_outputs(layer, inspected, keep_output):
+    probed = sorted(mixing) if n_seq else []
+    with (
+        capture_inputs(layer, names, keep),
+        capture_outputs(layer, inspected, keep_output),
+        capture_inputs(layer, probed, keep_probe),
+    ):
         out = runner(layer, hidden)  # the float layer's output feeds the next layer
     ok = ~massive  # the layer that makes a sink massive keeps it in its searches (below)
     L = hidden.shape[1]
@@ -338,6 +355,10 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
         protect={n: torch.cat(v) for n, v in protect.items()},
         protect_share=n_sinks / max(n_in.numel(), 1),
         outputs={m: torch.cat(v) for m, v in outputs.items()},
+        sequences={
+            m: SequenceProbe(x, runner.sequence_args(n_seq), massive[: x.shape[0]])
+            for m, x in probe_x.items()
+        },
     )
     return q, out
 
@@ -477,7 +498,8 @@ def _provenance(loaded, opts: QuantizeOptions) -> dict:
         prov.update(act_order=opts.act_order, damp=opts.damp)
     if opts.method == "awq":
         prov["awq"] = {"grid": opts.awq_grid, "duo": opts.awq_duo, "tokens": opts.awq_tokens,
-                       "propagate": opts.awq_propagate}  # fmt: skip
+                       "propagate": opts.awq_propagate,
+                       "sequences": opts.awq_sequences}  # fmt: skip
     return prov
 
 

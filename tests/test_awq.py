@@ -12,6 +12,7 @@ from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
 from edgellm.quantize import pipeline
 from edgellm.quantize.awq import (
     ScaleGroup,
+    SequenceProbe,
     _loss_fn,
     _mean_abs,
     _scale_group,
@@ -507,6 +508,7 @@ def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
     def spy(layer, inputs, *args, **kwargs):
         seen.update(inputs)
         seen["protect"] = kwargs["protect"]
+        seen["sequences"] = kwargs["sequences"]
         # the MLP's outputs captured in the forward are its outputs on the sampled inputs,
         # row for row (the scale search's reference)
         with torch.no_grad():
@@ -524,8 +526,80 @@ def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
     torch.testing.assert_close(x, normed[rows])
     assert len(set(rows.tolist())) == 96 and not (rows % L == 0).any()
     protect = seen.pop("protect")
+    # the attention's scoring sequences: the first chunk's, whole, the massive rows marked
+    probe = seen.pop("sequences")["self_attn"]
+    torch.testing.assert_close(probe.x, normed[: 2 * L])
+    assert torch.equal(probe.sinks, torch.arange(2 * L) % L == 0)
+    assert probe.args[3].context_lens == [L, L]
     assert seen.pop("mlp outputs")
     assert all(v.shape[0] == 96 for v in seen.values())
     # ... yet their outputs are what the clip guard protects: every sequence's position 0
     torch.testing.assert_close(protect["self_attn.q_proj"], normed[::L])
     assert all(v.shape[0] == N for v in protect.values())
+
+
+def _attention_error(layer, xn, args, config, s) -> float:
+    """The attention's output MSE on whole sequences with q, k, v fake-quantized at column
+    scales s (acting on the unscaled input), against its float output."""
+    attn = layer.self_attn
+    with torch.no_grad():
+        ref = attn(xn, *args)
+        quant = copy.deepcopy(attn)
+        for lin in (quant.q_proj, quant.k_proj, quant.v_proj):
+            lin.weight.data = fake_quantize(lin.weight, config, col_scale=s)
+        return float((quant(xn, *args) - ref).pow(2).mean())
+
+
+def test_q_k_v_are_judged_by_the_attention_output_on_whole_sequences():
+    """Given whole sequences, q/k/v's scale candidates are scored by the attention's output
+    on them (q and k act through the scores, which their own output MSE does not weigh):
+    the scales chosen so beat, on the attention's output, those that q, k and v's own outputs
+    choose and plain RTN; without sequences the linears' outputs judge, as before."""
+    hf, cfg = tiny_hf_model("llama")
+    model = ours_from_hf(hf, cfg)
+    layer, args = model.model.layers[0], model.args
+    group = _scale_groups("llama")[0]
+    assert group.inspect == "self_attn" and group.whole_sequences
+    assert group.on_tokens.inspect is None
+    n, L = 2, 64
+    seq_args = LayerRunner(args, L, chunk=n).sequence_args(n)
+    with torch.no_grad():
+        xn = layer.input_layernorm(layer_input(args.hidden_size, seed=1)[: n * L])
+    config = QuantConfig(bits=3, group_size=16)
+    probe = SequenceProbe(xn, seq_args, torch.zeros(n * L, dtype=torch.bool))
+    with torch.no_grad():
+        by_attention = search_scale(layer, group, xn, config, 10, probe=probe)
+        by_linears = search_scale(layer, group, xn, config, 10)
+        assert torch.equal(by_linears, search_scale(layer, group.on_tokens, xn, config, 10))
+    errors = [_attention_error(layer, xn, seq_args, config, s)
+              for s in (by_attention, by_linears, torch.ones(xn.shape[1]))]  # fmt: skip
+    assert errors[0] < errors[1] and errors[0] < errors[2]
+
+
+def test_sequence_probe_leaves_sinks_out_of_the_loss_and_admits_by_them():
+    """The probe's sink rows do not count in the loss; a candidate that worsens their
+    attention output over RTN's is not admitted."""
+    from edgellm.quantize.awq import _probe_score
+
+    hf, cfg = tiny_hf_model("llama")
+    model = ours_from_hf(hf, cfg)
+    layer, args = model.model.layers[0], model.args
+    group = _scale_groups("llama")[0]
+    n, L = 2, 32
+    seq_args = LayerRunner(args, L, chunk=n).sequence_args(n)
+    with torch.no_grad():
+        xn = layer.input_layernorm(layer_input(args.hidden_size, seed=5)[: n * L])
+    sinks = torch.arange(n * L) % L == 0
+    ws = [layer.get_submodule(name).weight.float() for name in group.linears]
+    config = QuantConfig(bits=3, group_size=16)
+    cand = [fake_quantize(w, config) for w in ws]
+    with torch.no_grad():
+        with_sinks = _probe_score(layer, group, SequenceProbe(xn, seq_args, sinks), ws)(cand)
+        none = _probe_score(layer, group, SequenceProbe(xn, seq_args, sinks & False), ws)(cand)
+        assert _probe_score(layer, group, SequenceProbe(xn, seq_args, sinks), ws)(ws) == (0, 0)
+    assert none[1] is None and with_sinks[1] > 0
+    # the loss is the others' mean: all rows' mean mixes the sinks' in at their share
+    share = float(sinks.float().mean())
+    assert none[0] == pytest.approx((1 - share) * with_sinks[0] + share * with_sinks[1], rel=1e-5)
+    with pytest.raises(InvalidParameterError, match="sinks"):
+        _probe_score(layer, group, SequenceProbe(xn, seq_args, sinks[1:]), ws)
