@@ -97,6 +97,8 @@ class QuantizeOptions:
             raise InvalidParameterError(
                 f"unknown compute dtype {self.compute!r} (choose from {', '.join(COMPUTE_DTYPES)})"
             )
+        if self.awq_sequences < 0:
+            raise InvalidParameterError(f"awq_sequences must be >= 0, got {self.awq_sequences}")
         QuantConfig(self.bits, self.group_size, self.symmetric)  # validates
 
     @property
@@ -161,12 +163,12 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
     calibration text only ever decodes the rows it uses) and the layers: one float32
     decoder layer with the dequantized copy the method writes back, the calibration hidden
     states in and out, and what the method keeps (AWQ: the sampled inputs of every linear,
-    one chunk's MLP activations and the searches' copies; GPTQ: the widest stage's inputs
-    over every chunk, the float32 Hessian, the one copy its factorization works in, and the
-    column loop's copies of the widest weight). Both sit on the base (interpreter, torch,
-    tokenizer: what this process holds when it plans, unless `base` is given) and the
-    checkpoint shard waiting to be written. The layer phase carries a share
-    for what the C heap keeps of its freed temporaries (`HEAP_SHARE`)."""
+    the attention's scoring sequences, one chunk's MLP activations and the searches' copies;
+    GPTQ: the widest stage's inputs over every chunk, the float32 Hessian, the one copy its
+    factorization works in, and the column loop's copies of the widest weight). Both sit on
+    the base (interpreter, torch, tokenizer: what this process holds when it plans, unless
+    `base` is given) and the checkpoint shard waiting to be written. The layer phase carries
+    a share for what the C heap keeps of its freed temporaries (`HEAP_SHARE`)."""
 
     d, inter = args.hidden_size, args.intermediate_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
@@ -190,6 +192,9 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
             spare = AWQ_SPARE_PER_SEQ * opts.n_samples + MAX_PROTECTED  # and the sinks
             sample = min(opts.awq_tokens + spare, tokens)
             kept = sample * (6 * d + q + inter)  # q/k/v, o, gate/up and the MLP's output, down
+            # the attention's whole scoring sequences (their scoring's temporaries are smaller
+            # than the MLP's, below, and never held beside them)
+            kept += min(opts.awq_sequences, 8, opts.n_samples) * opts.seq_len * d
             # and while down's candidates are scored: its inputs divided by s, and gate/up's
             # candidate weights while the MLP's are
             search = sample * inter + 2 * d * inter

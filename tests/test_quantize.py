@@ -44,6 +44,8 @@ def test_every_method_writes_a_loadable_checkpoint(tiny_dir, tmp_path, method, s
     assert qc["edgellm"]["method"] == method
     assert ("calibration" in qc["edgellm"]) == (method != "rtn")
     assert ("awq" in qc["edgellm"]) == (method == "awq")  # its search settings, duo scaling
+    if method == "awq":
+        assert qc["edgellm"]["awq"]["sequences"] == opts.awq_sequences == 8
     if method != "rtn":  # the forwards' product dtype, as this CPU resolved "auto"
         assert qc["edgellm"]["calibration"]["compute"] == str(opts.compute_dtype)[6:]
     assert (
@@ -92,6 +94,8 @@ def test_refuses_existing_output_and_bad_options(tiny_dir, tmp_path):
         QuantizeOptions(bits=1)
     with pytest.raises(InvalidParameterError, match="unknown compute dtype 'fp8'"):
         QuantizeOptions(compute="fp8")
+    with pytest.raises(InvalidParameterError, match="awq_sequences"):
+        QuantizeOptions(awq_sequences=-1)
     short = tmp_path / "short.txt"
     short.write_text("far too short")
     with pytest.raises(InvalidParameterError, match="fewer than one sample"):
