@@ -112,7 +112,7 @@ def awq_quantize_layer(
     its linears' outputs on the sample.
     """
     sequences = sequences or {}
-    groups = _scale_groups(model_type)
+    groups = scale_groups(model_type)
     _check_options(n_grid, clip_grid, max_shrink, sample_tokens)
     if guard_tokens < 0:
         raise InvalidParameterError(f"guard_tokens must be >= 0, got {guard_tokens}")
@@ -153,7 +153,7 @@ def awq_quantize_layer(
     return out
 
 
-def _scale_groups(model_type: str) -> list[ScaleGroup]:
+def scale_groups(model_type: str) -> list[ScaleGroup]:
     """The architecture's scale groups, data in its models/ file."""
     family = get_model_module(model_type)
     mixing = set(getattr(family, "AWQ_SEQUENCE_MODULES", ()))
@@ -426,7 +426,7 @@ SINK_SLACK = 0.0
 
 def _costs_per_token(group: ScaleGroup, x: torch.Tensor) -> bool:
     """Whether `_loss_fn` runs over the tokens (else through their Gram matrix, once)."""
-    return group.on_tokens.inspect is not None or x.shape[0] < x.shape[1]
+    return group.inspect is not None or x.shape[0] < x.shape[1]
 
 
 def _inspected(layer: nn.Module, group: ScaleGroup, compute: torch.dtype = torch.float32):

@@ -34,7 +34,7 @@ from edgellm.kernels import cpu
 from edgellm.loaders.model import load_model
 from edgellm.loaders.weights import ROW_CHUNK, rows_as
 from edgellm.models import get_model_module
-from edgellm.quantize.awq import SequenceProbe, awq_quantize_layer
+from edgellm.quantize.awq import SequenceProbe, awq_quantize_layer, scale_groups
 from edgellm.quantize.calibration import DEFAULT_CALIBRATION, calibration_tokens
 from edgellm.quantize.checkpoint import SHARD_BYTES, CheckpointWriter
 from edgellm.quantize.gptq import HessianAccumulator, gptq_quantize
@@ -194,7 +194,7 @@ def memory_estimate(args, opts: QuantizeOptions, base: int | None = None) -> dic
             kept = sample * (6 * d + q + inter)  # q/k/v, o, gate/up and the MLP's output, down
             # the attention's whole scoring sequences (their scoring's temporaries are smaller
             # than the MLP's, below, and never held beside them)
-            kept += min(opts.awq_sequences, 8, opts.n_samples) * opts.seq_len * d
+            kept += min(opts.awq_sequences * opts.seq_len, chunk) * d
             # and while down's candidates are scored: its inputs divided by s, and gate/up's
             # candidate weights while the MLP's are
             search = sample * inter + 2 * d * inter
@@ -305,9 +305,8 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     protect: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     per_chunk_tokens = runner.chunk * hidden.shape[1]
     # the inspected modules' float outputs on the sample: the scale search's reference
-    family = get_model_module(model_type)
-    mixing = set(getattr(family, "AWQ_SEQUENCE_MODULES", ()))
-    inspected = sorted({g[2] for g in family.AWQ_SCALE_GROUPS if g[2] and g[2] not in mixing})
+    groups = scale_groups(model_type)
+    inspected = sorted({g.inspect for g in groups if g.inspect and not g.whole_sequences})
     outputs: dict[str, list[torch.Tensor]] = {m: [] for m in inspected}
     # modules that mix tokens: their input on the first awq_sequences whole sequences
     n_seq = min(opts.awq_sequences, runner.chunk, hidden.shape[0])
@@ -332,7 +331,7 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     def keep_output(name, y):  # runs after the chunk's first linear: its sample is drawn
         outputs[name].append(y.reshape(-1, y.shape[-1])[picks[len(outputs[name])]].clone())
 
-    probed = sorted(mixing) if n_seq else []
+    probed = sorted({g.inspect for g in groups if g.whole_sequences}) if n_seq else []
     with (
         capture_inputs(layer, names, keep),
         capture_outputs(layer, inspected, keep_output),

@@ -16,11 +16,11 @@ from edgellm.quantize.awq import (
     _loss_fn,
     _mean_abs,
     _scale_group,
-    _scale_groups,
     awq_quantize_layer,
     fake_quantize,
     group_output_error,
     guard_clip,
+    scale_groups,
     search_clip,
     search_scale,
 )
@@ -273,10 +273,10 @@ def test_outputs_not_row_for_row_with_the_inputs_are_rejected_before_any_change(
     assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
 
 
-def test_scale_groups_name_real_modules():
+def testscale_groups_name_real_modules():
     layer = tiny_layer("qwen2")
-    assert _scale_groups("llama") == _scale_groups("mistral") == _scale_groups("qwen2")
-    for group in _scale_groups("qwen2"):
+    assert scale_groups("llama") == scale_groups("mistral") == scale_groups("qwen2")
+    for group in scale_groups("qwen2"):
         for name in [group.prev, *group.linears, *([group.inspect] if group.inspect else [])]:
             layer.get_submodule(name)
 
@@ -294,7 +294,7 @@ def test_group_error_from_gram_matches_token_outputs():
 
 def test_scale_loss_from_gram_matches_output_mse():
     layer = tiny_layer("llama")
-    group = _scale_groups("llama")[0]
+    group = scale_groups("llama")[0]
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     ws = [layer.get_submodule(n).weight.detach() for n in group.linears]
     cands = [fake_quantize(w, QuantConfig(bits=3, group_size=16)) for w in ws]
@@ -306,7 +306,7 @@ def test_module_loss_in_bf16_compute_is_the_float_loss_within_bf16_rounding():
     """compute=bfloat16: the MLP's candidates are scored with bf16 products (as the bf16
     forward that captured the reference), close to the float32 score, yet not equal to it."""
     layer = tiny_layer("llama")
-    group = _scale_groups("llama")[2]  # gate/up, scored on the MLP's output
+    group = scale_groups("llama")[2]  # gate/up, scored on the MLP's output
     x = layer_input(64, seed=1)
     ws = [layer.get_submodule(n).weight.detach() for n in group.linears]
     cands = [fake_quantize(w, QuantConfig(bits=3, group_size=16)) for w in ws]
@@ -376,7 +376,7 @@ def test_scale_statistic_counts_the_left_out_sinks_at_their_share():
     the sinks' error shrinks and the others' barely moves."""
     config = QuantConfig(bits=4, group_size=32)
     layer = tiny_layer("llama", **MHA)
-    group = _scale_groups("llama")[0]  # input_layernorm -> q, k, v
+    group = scale_groups("llama")[0]  # input_layernorm -> q, k, v
     hidden = layer.self_attn.q_proj.in_features
     x = layer_input(hidden, seed=6)
     x[:, 5] *= 1e-3  # idle for the ordinary tokens
@@ -413,7 +413,7 @@ def test_screened_scale_search_scores_few_candidates_on_every_token(group_index)
     import edgellm.quantize.awq as awq
 
     layer = tiny_layer("llama", **MHA)
-    group = _scale_groups("llama")[group_index]
+    group = scale_groups("llama")[group_index]
     width = layer.get_submodule(group.linears[0]).in_features
     if group.inspect:  # costs per token whatever the shapes
         x = layer_input(width, seed=4)
@@ -451,7 +451,7 @@ def test_duo_scaling_picks_the_best_of_autoawqs_candidates(group_index):
     of |w| / its weight group's max (AutoAWQ's and llm-compressor's default), a = 0 plain
     RTN: the search returns the candidate of least output error, computed here apart."""
     layer = tiny_layer("llama", **MHA)
-    group = _scale_groups("llama")[group_index]
+    group = scale_groups("llama")[group_index]
     width = layer.get_submodule(group.linears[0]).in_features
     x = layer_input(width, seed=6)
     config = QuantConfig(bits=3, group_size=16)
@@ -558,11 +558,13 @@ def test_q_k_v_are_judged_by_the_attention_output_on_whole_sequences():
     hf, cfg = tiny_hf_model("llama")
     model = ours_from_hf(hf, cfg)
     layer, args = model.model.layers[0], model.args
-    group = _scale_groups("llama")[0]
+    group = scale_groups("llama")[0]
     assert group.inspect == "self_attn" and group.whole_sequences
     assert group.on_tokens.inspect is None
     n, L = 2, 64
     seq_args = LayerRunner(args, L, chunk=n).sequence_args(n)
+    with pytest.raises(ValueError, match="1 to 2 sequences"):
+        LayerRunner(args, L, chunk=n).sequence_args(n + 1)
     with torch.no_grad():
         xn = layer.input_layernorm(layer_input(args.hidden_size, seed=1)[: n * L])
     config = QuantConfig(bits=3, group_size=16)
@@ -584,7 +586,7 @@ def test_sequence_probe_leaves_sinks_out_of_the_loss_and_admits_by_them():
     hf, cfg = tiny_hf_model("llama")
     model = ours_from_hf(hf, cfg)
     layer, args = model.model.layers[0], model.args
-    group = _scale_groups("llama")[0]
+    group = scale_groups("llama")[0]
     n, L = 2, 32
     seq_args = LayerRunner(args, L, chunk=n).sequence_args(n)
     with torch.no_grad():
