@@ -341,6 +341,9 @@ class LlamaCppBackend:
         ll = self.ll
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
+        # the file mapped, as llama-cpp-python's Llama maps it (its default, AUTO, maps it too
+        # on Linux): the same pages the page cache holds, and no copy of the weights
+        mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise LlamaCppError(f"llama.cpp could not load {path}")
