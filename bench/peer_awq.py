@@ -19,12 +19,7 @@ import json
 import time
 from pathlib import Path
 
-
-def vm_hwm_mb() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+from bench_scale import vm_hwm_mb  # stdlib only at import: fine in the peer's venv
 
 
 def float_model(gguf: Path, cache: Path):
