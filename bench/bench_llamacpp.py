@@ -34,10 +34,10 @@ from bench_quant import float_gguf, linear_bits, llama_cpp_quantize  # noqa: E40
 
 
 # ---- speed -----------------------------------------------------------------------------------
-def llama_decode(path: Path, ids: list[int], n: int, threads: int, repeats: int) -> list[float]:
+def llama_llm(path: Path, threads: int):
     from llama_cpp import Llama
 
-    llm = Llama(
+    return Llama(
         str(path),
         n_ctx=2048,
         n_threads=threads,
@@ -45,16 +45,22 @@ def llama_decode(path: Path, ids: list[int], n: int, threads: int, repeats: int)
         flash_attn=True,  # as the backend: the same kernels on both sides
         verbose=False,
     )
-    rates = []
-    for _ in range(repeats):
-        t0 = t1 = time.perf_counter()
-        for k, _tok in enumerate(llm.generate(ids, temp=0, reset=True), start=1):
-            if k == 1:
-                t1 = time.perf_counter()
-            if k == n:
-                break
-        rates.append((n - 1) / (time.perf_counter() - t1))
-        del t0
+
+
+def generate_rate(llm, ids: list[int], n: int) -> float:
+    """`Llama.generate`'s tokens/s after its first token (its prompt evaluated anew: reset)."""
+    t1 = time.perf_counter()
+    for k, _tok in enumerate(llm.generate(ids, temp=0, reset=True), start=1):
+        if k == 1:
+            t1 = time.perf_counter()
+        if k == n:
+            break
+    return (n - 1) / (time.perf_counter() - t1)
+
+
+def llama_decode(path: Path, ids: list[int], n: int, threads: int, repeats: int) -> list[float]:
+    llm = llama_llm(path, threads)
+    rates = [generate_rate(llm, ids, n) for _ in range(repeats)]
     llm.close()
     return rates
 

@@ -213,17 +213,6 @@ def bytes_per_token(path: str, context: int) -> dict:
     }
 
 
-def generate_rate(llm, ids: list[int], n: int) -> float:
-    """`Llama.generate`'s tokens/s after its first token (its prompt evaluated anew: reset)."""
-    t1 = time.perf_counter()
-    for k, _tok in enumerate(llm.generate(ids, temp=0, reset=True), start=1):
-        if k == 1:
-            t1 = time.perf_counter()
-        if k == n:
-            break
-    return (n - 1) / (time.perf_counter() - t1)
-
-
 def step_decode(ctx, path: str) -> dict:
     """Decode rates of both engines and the read bandwidth, measured round by round: this
     VM's read varies between runs (31.8 to 60.1 GB/s seen) more than either engine does, so
@@ -231,16 +220,14 @@ def step_decode(ctx, path: str) -> dict:
     of those fractions are the result (the best-of figures beside them)."""
     import statistics
 
-    from bench_llamacpp import edgellm_decode, edgellm_llm, llama_decode
-    from llama_cpp import Llama
+    from bench_llamacpp import edgellm_decode, edgellm_llm, generate_rate, llama_decode, llama_llm
 
     llm = edgellm_llm(Path(path), ctx.args.threads, max_num_seqs=4)
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     n = ctx.args.tokens
     # both engines loaded once and kept, as their users keep them (a Llama loaded afresh each
     # round ran on freshly allocated weights while ours aged, which is not the same test)
-    peer_llm = Llama(path, n_ctx=2048, n_threads=ctx.args.threads,
-                     n_threads_batch=ctx.args.threads, flash_attn=True, verbose=False)  # fmt: skip
+    peer_llm = llama_llm(Path(path), ctx.args.threads)
     ours, peer, reads = [], [], []
     for _ in range(ctx.args.rounds):  # alternate: a noisy neighbour or drift hits both alike
         reads.append(read_bandwidth(repeats=3))
