@@ -47,7 +47,8 @@ class Backend(Protocol):
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """Logits [rows, vocab] float32: `item.logit_rows` rows per scheduled item, in batch
         order (the chunk's last tokens), or every computed token of every item when
-        `all_logits`."""
+        `all_logits`. Valid until the backend's next forward: a backend may hand out a view
+        of its own output buffer (llama.cpp does), so a caller that keeps them copies them."""
         ...
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -190,7 +190,8 @@ def next_logits(llm, ids: list[int]):
     seq = Sequence("probe", list(ids), SamplingParams())
     engine.block_manager.allocate(seq, use_prefix_cache=False)
     try:
-        return engine.backend.forward([ScheduledSeq(seq, len(ids))])[0]
+        # a copy: a backend's logits are valid only until its next forward
+        return engine.backend.forward([ScheduledSeq(seq, len(ids))])[0].clone()
     finally:
         engine.block_manager.free(seq)
         engine.backend.release(seq)

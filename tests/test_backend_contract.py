@@ -88,7 +88,8 @@ def test_forward_shapes_truncate_and_release(name, model_dir):
     a = allocated(bm, torch.randint(0, VOCAB, (11,), generator=g).tolist())
     c = allocated(bm, torch.randint(0, VOCAB, (6,), generator=g).tolist())
     # two prompts in one batch: one logits row each, or one per token
-    full = b.forward([ScheduledSeq(a, len(a))], all_logits=True)
+    # kept across forwards, so cloned: the contract makes logits valid until the next forward
+    full = b.forward([ScheduledSeq(a, len(a))], all_logits=True).clone()
     assert full.shape == (11, VOCAB) and full.dtype == torch.float32
     bm.commit(a, len(a))
     b.truncate(a, 0)

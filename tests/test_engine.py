@@ -272,8 +272,9 @@ def test_non_finite_logits_end_that_request_with_an_error_only():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 def test_step_checks_find_any_non_finite_logit_and_each_rows_argmax(dtype, bad):
-    """The step's finiteness check (max and min, numpy on CPU float32, torch otherwise) is
-    torch.isfinite(...).all() and its argmax is torch's, whatever the bad value's row."""
+    """The step's finiteness check (argmax and min, or max and min without greedy rows; numpy
+    on CPU float32, torch otherwise) is torch.isfinite(...).all() and its argmax is torch's,
+    whatever the bad value's row."""
     from edgellm.engine.engine import _step_checks
 
     g = torch.Generator().manual_seed(0)
@@ -284,7 +285,7 @@ def test_step_checks_find_any_non_finite_logit_and_each_rows_argmax(dtype, bad):
     assert finite == bool(torch.isfinite(logits).all())
     if finite:
         assert argmax == logits.float().argmax(-1).tolist()
-    assert _step_checks(logits, plain=False)[1] == []
+    assert _step_checks(logits, plain=False) == (finite, [])
     assert _step_checks(logits[:0], plain=True) == (True, [])
 
 def test_n_children_count_against_max_num_seqs_from_admission():

@@ -201,7 +201,8 @@ def test_truncate_then_recompute(llm, reference):
     seq = Sequence("t", ids + want[:8], greedy())
     engine.block_manager.allocate(seq, use_prefix_cache=False)
     backend = engine.backend
-    full = backend.forward([ScheduledSeq(seq, len(seq))], all_logits=True)
+    # cloned: the backend's logits are a view of llama.cpp's buffer, valid until the next forward
+    full = backend.forward([ScheduledSeq(seq, len(seq))], all_logits=True).clone()
     seq.num_computed_tokens = len(seq)
     keep = len(ids) + 2
     engine.block_manager.trim(seq, keep)
