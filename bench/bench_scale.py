@@ -18,7 +18,8 @@ from the same float weights.
    AWQ g32 Q4_0 export on the llama.cpp backend; bytes read per token (every weight the
    token touches: all tensors but the token embeddings, which are read whole when tied to
    the output, plus the K/V read) x tokens/s / bandwidth. Beside it `Llama.generate` on the
-   same file: the ratio edgellm / llama-cpp-python.
+   same file: the ratio edgellm / llama-cpp-python. Both engines run in one fresh process
+   with glibc's huge pages for llama.cpp's buffers (see `step_decode`), taking turns.
 4. Backends: one greedy answer from the AWQ g128 checkpoint on the torch and MLX backends,
    from its GGUF export on llama.cpp, and mlx-lm's own generation on its MLX export
    (tokens/s; the tokens agreeing with torch's and with our MLX backend's).
@@ -78,6 +79,9 @@ def child(argv: list[str]) -> None:
 
         sys.argv = ["edgellm", *rest]
         main()
+    elif kind == "decode":
+        path, threads, n, rounds = rest[0], *map(int, rest[1:4])
+        record(decode_rounds(path, threads, n, rounds))
     elif kind == "llama-quantize":
         from bench_quant import llama_cpp_quantize
 
@@ -87,10 +91,12 @@ def child(argv: list[str]) -> None:
         raise SystemExit(f"unknown child {kind}")
 
 
-def measured(out: Path, kind: str, *args: str, stdin: str | None = None) -> dict:
+def measured(
+    out: Path, kind: str, *args: str, stdin: str | None = None, env: dict | None = None
+) -> dict:
     cmd = [sys.executable, __file__, "--child", str(out), kind, *args]
     print("$", shlex.join(cmd[3:]), flush=True)
-    subprocess.run(cmd, input=stdin, text=True, check=True)
+    subprocess.run(cmd, input=stdin, text=True, check=True, env=env)
     return json.loads(out.read_text())
 
 
@@ -213,32 +219,58 @@ def bytes_per_token(path: str, context: int) -> dict:
     }
 
 
+THP = "glibc.malloc.hugetlb=1"  # glibc: its mmap'd blocks (llama.cpp's buffers) get THP
+
+
 def step_decode(ctx, path: str) -> dict:
-    """Decode rates of both engines and the read bandwidth, measured round by round: this
-    VM's read varies between runs (31.8 to 60.1 GB/s seen) more than either engine does, so
-    each round's decode is set against the bandwidth read in that round, and the medians
-    of those fractions are the result (the best-of figures beside them)."""
+    """Decode rates of both engines and the read bandwidth, measured round by round in a
+    fresh process (`decode_rounds`). By default that process runs with `GLIBC_TUNABLES=` +
+    THP: the weights llama.cpp repacks (700 MiB here) then sit in 2 MiB pages for both
+    engines. Without, bare `llama_decode` loops on one context each measured 32.5 ms a token
+    on the model loaded first in the process and 31.3 on one loaded later (same file and
+    parameters; with huge pages 30.9 and 30.7): page placement, not either engine, and it
+    fell on whichever engine was loaded first (`--no-huge-pages` to see it)."""
+    env = dict(os.environ)
+    if not ctx.args.no_huge_pages:
+        env["GLIBC_TUNABLES"] = ":".join(x for x in (env.get("GLIBC_TUNABLES"), THP) if x)
+    a = ctx.args
+    return measured(ctx.work / "decode.json", "decode", path, str(a.threads), str(a.tokens),
+                    str(a.rounds), env=env)  # fmt: skip
+
+
+def anon_huge_mb() -> float:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("AnonHugePages:")) / 1024
+
+
+def decode_rounds(path: str, threads: int, n: int, rounds: int) -> dict:
+    """Both engines loaded once and kept, as their users keep them; each round measures the
+    read bandwidth, then runs both engines, which goes first alternating (the one run right
+    after the 1 GiB read measured 1-3% slower); each round's decode is set against that
+    round's read (this VM's read moved between 33 and 67 GB/s within one run), and the
+    medians of those fractions are the result, the best-of figures beside them."""
     import statistics
 
     from bench_llamacpp import edgellm_decode, edgellm_llm, generate_rate, llama_decode, llama_llm
 
-    llm = edgellm_llm(Path(path), ctx.args.threads, max_num_seqs=4)
+    llm = edgellm_llm(Path(path), threads, max_num_seqs=4)
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
-    n = ctx.args.tokens
-    # both engines loaded once and kept, as their users keep them (a Llama loaded afresh each
-    # round ran on freshly allocated weights while ours aged, which is not the same test)
-    peer_llm = llama_llm(Path(path), ctx.args.threads)
+    peer_llm = llama_llm(Path(path), threads)
+    huge = anon_huge_mb()
     ours, peer, reads = [], [], []
-    for _ in range(ctx.args.rounds):  # alternate: a noisy neighbour or drift hits both alike
+    for i in range(rounds):
         reads.append(read_bandwidth(repeats=3))
-        ours += edgellm_decode(llm, ids, n, 1)
-        peer.append(generate_rate(peer_llm, ids, n))
+        for name in ("ours", "peer") if i % 2 == 0 else ("peer", "ours"):
+            if name == "ours":
+                ours += edgellm_decode(llm, ids, n, 1)
+            else:
+                peer.append(generate_rate(peer_llm, ids, n))
     llm.engine.backend.close()
     peer_llm.close()
     del llm, peer_llm
     # the same on one thread: a kernel limited by memory gains little from a second core
     # (one core alone reads `numpy 1 thread`), one limited by compute nearly doubles
-    one = llama_decode(Path(path), ids, n, 1, ctx.args.rounds)
+    one = llama_decode(Path(path), ids, n, 1, rounds)
     rate, peer_rate = max(ours), max(peer)
     b = bytes_per_token(path, len(ids) + n // 2)
     bws = [r["bandwidth"] for r in reads]
@@ -247,6 +279,8 @@ def step_decode(ctx, path: str) -> dict:
     return {
         "read_bytes_per_s": best, "bandwidth": max(bws), "bandwidth_rounds": bws,
         "bytes_per_token": b, "tokens": n, "prompt_tokens": len(ids),
+        "huge_pages": THP in os.environ.get("GLIBC_TUNABLES", ""), "anon_huge_mb": huge,
+        "order": "alternating",
         "edgellm_tok_s": ours, "llama_generate_tok_s": peer, "llama_generate_1thread_tok_s": one,
         "llama_1thread_read_bytes_per_s": b["total"] * max(one),
         "edgellm_vs_llama": rate / peer_rate,
@@ -466,6 +500,11 @@ def markdown(res: dict, command: str) -> str:
         if "bandwidth_rounds" in d:
             lines.append("| (of bandwidth: the median over rounds of tok/s x bytes / that round's "
                          "read) | |")  # fmt: skip
+        if "huge_pages" in d:
+            pages = (f"2 MiB pages (`GLIBC_TUNABLES={THP}`): {d['anon_huge_mb']:.0f} MiB"
+                     if d["huge_pages"] else "4 KiB pages (`--no-huge-pages`)")
+            lines.append(f"| both engines in one fresh process, loaded once; who runs first "
+                         f"alternates by round; anonymous memory in | {pages} |")  # fmt: skip
         if one := d.get("llama_generate_1thread_tok_s"):
             lines.append(
                 f"| `Llama.generate` on 1 thread | {max(one):.1f} tok/s = "
@@ -531,6 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-tokens", type=int, default=4096, help="tokens scored per text")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated (decode, backends)")
     ap.add_argument("--rounds", type=int, default=3, help="decode repeats per engine")
+    ap.add_argument("--no-huge-pages", action="store_true",
+                    help="decode without GLIBC_TUNABLES=" + THP + " (see step_decode)")
     ap.add_argument("--skip", nargs="*", default=[], help="e.g. gptq32 awq32: configs left out")
     ap.add_argument("--redo", nargs="*", default=[], help="run again every step whose name contains one of these (e.g. gptq: the "
                     "quantization, export and perplexity of both GPTQ rows)")
