@@ -176,12 +176,13 @@ def step_ppl(ctx, path: str) -> dict:
     return res
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
-    """Bytes per second of summing a large float32 array: numpy (one thread) and torch (all)."""
+def read_bandwidth(a=None, repeats: int = 5) -> dict:
+    """Bytes per second of summing a large float32 array (1 GiB unless given one): numpy
+    (one thread) and torch (all)."""
     import numpy as np
     import torch
 
-    a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    a = np.ones(2**30 // 4, dtype=np.float32) if a is None else a
     best = {}
     for label, fn in (("numpy 1 thread", a.sum), ("torch all threads", torch.from_numpy(a).sum)):
         fn()
@@ -251,15 +252,20 @@ def decode_rounds(path: str, threads: int, n: int, rounds: int) -> dict:
     medians of those fractions are the result, the best-of figures beside them."""
     import statistics
 
+    import numpy as np
     from bench_llamacpp import edgellm_decode, edgellm_llm, generate_rate, llama_decode, llama_llm
 
     llm = edgellm_llm(Path(path), threads, max_num_seqs=4)
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     peer_llm = llama_llm(Path(path), threads)
     huge = anon_huge_mb()
+    # one array for every round's read: freeing 1 GiB of huge pages each round set off ~2 s
+    # later a burst of slow decode calls (5 calls of 46-108 ms against 32) in whichever
+    # engine was running then
+    array = np.ones(2**30 // 4, dtype=np.float32)
     ours, peer, reads = [], [], []
     for i in range(rounds):
-        reads.append(read_bandwidth(repeats=3))
+        reads.append(read_bandwidth(array, repeats=3))
         for name in ("ours", "peer") if i % 2 == 0 else ("peer", "ours"):
             if name == "ours":
                 ours += edgellm_decode(llm, ids, n, 1)
@@ -267,7 +273,7 @@ def decode_rounds(path: str, threads: int, n: int, rounds: int) -> dict:
                 peer.append(generate_rate(peer_llm, ids, n))
     llm.engine.backend.close()
     peer_llm.close()
-    del llm, peer_llm
+    del llm, peer_llm, array
     # the same on one thread: a kernel limited by memory gains little from a second core
     # (one core alone reads `numpy 1 thread`), one limited by compute nearly doubles
     one = llama_decode(Path(path), ids, n, 1, rounds)
