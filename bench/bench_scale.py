@@ -475,7 +475,13 @@ def markdown(res: dict, command: str) -> str:
             f"{r['sotu']:.3f} | {r['shakespeare']:.3f} | {rec_s} | "
             f"{r.get('seconds', float('nan')):.0f} | {r.get('peak_rss_mb', float('nan')):.0f} |"
         )
-    if res.get("seeded_from"):
+    seeded_rows = any(r.get("seeded") for r in rows.values())
+    if res.get("seeded_from") and not seeded_rows and {"decode", "chat", "backends"} <= set(
+        res.get("rerun", [])
+    ):
+        lines += ["", f"Every step above was rerun here ({res['machine']['cpu']}), after "
+                  f"`--seed {res['seeded_from']}` had started the cache."]  # fmt: skip
+    elif res.get("seeded_from"):
         m = res.get("seed_machine", {})
         lines += ["", f"\\* from the earlier run this one was seeded with (`--seed "
                   f"{res['seeded_from']}`: {m.get('cpu', '?')}, {m.get('date', '?')}), not rerun; "
