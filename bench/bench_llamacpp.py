@@ -332,15 +332,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work-dir", default="/tmp/edgellm-bench-llamacpp")
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
-    from bench_scale import THP
+    from bench_scale import thp_on, with_thp
 
-    if not args.no_huge_pages and THP not in os.environ.get("GLIBC_TUNABLES", ""):
+    if not args.no_huge_pages and not thp_on():
         # llama.cpp's buffers in huge pages for both engines, set before the process starts
         # (see bench_scale.step_decode: without them the model loaded first decodes slower)
-        env = dict(os.environ)
-        env["GLIBC_TUNABLES"] = ":".join(x for x in (env.get("GLIBC_TUNABLES"), THP) if x)
         argv = sys.argv[1:] if argv is None else argv
-        os.execve(sys.executable, [sys.executable, __file__, *argv], env)
+        os.execve(sys.executable, [sys.executable, __file__, *argv], with_thp(os.environ))
     from rich.console import Console
     from rich.markdown import Markdown
     from rich.progress import Progress

@@ -223,6 +223,15 @@ def bytes_per_token(path: str, context: int) -> dict:
 THP = "glibc.malloc.hugetlb=1"  # glibc: its mmap'd blocks (llama.cpp's buffers) get THP
 
 
+def thp_on() -> bool:
+    return THP in os.environ.get("GLIBC_TUNABLES", "")
+
+
+def with_thp(env: dict) -> dict:
+    """`env` with THP added to GLIBC_TUNABLES (read by glibc when a process starts)."""
+    return {**env, "GLIBC_TUNABLES": ":".join(x for x in (env.get("GLIBC_TUNABLES"), THP) if x)}
+
+
 def step_decode(ctx, path: str) -> dict:
     """Decode rates of both engines and the read bandwidth, measured round by round in a
     fresh process (`decode_rounds`). By default that process runs with `GLIBC_TUNABLES=` +
@@ -231,10 +240,8 @@ def step_decode(ctx, path: str) -> dict:
     on the model loaded first in the process and 31.3 on one loaded later (same file and
     parameters; with huge pages 30.9 and 30.7): page placement, not either engine, and it
     fell on whichever engine was loaded first (`--no-huge-pages` to see it)."""
-    env = dict(os.environ)
-    if not ctx.args.no_huge_pages:
-        env["GLIBC_TUNABLES"] = ":".join(x for x in (env.get("GLIBC_TUNABLES"), THP) if x)
     a = ctx.args
+    env = dict(os.environ) if a.no_huge_pages else with_thp(os.environ)
     return measured(ctx.work / "decode.json", "decode", path, str(a.threads), str(a.tokens),
                     str(a.rounds), env=env)  # fmt: skip
 
@@ -285,8 +292,7 @@ def decode_rounds(path: str, threads: int, n: int, rounds: int) -> dict:
     return {
         "read_bytes_per_s": best, "bandwidth": max(bws), "bandwidth_rounds": bws,
         "bytes_per_token": b, "tokens": n, "prompt_tokens": len(ids),
-        "huge_pages": THP in os.environ.get("GLIBC_TUNABLES", ""), "anon_huge_mb": huge,
-        "order": "alternating",
+        "huge_pages": thp_on(), "anon_huge_mb": huge,
         "edgellm_tok_s": ours, "llama_generate_tok_s": peer, "llama_generate_1thread_tok_s": one,
         "llama_1thread_read_bytes_per_s": b["total"] * max(one),
         "edgellm_vs_llama": rate / peer_rate,
