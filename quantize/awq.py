@@ -85,6 +85,7 @@ def awq_quantize_layer(
     duo: bool = False,
     compute: torch.dtype = torch.float32,
     sequences: dict[str, SequenceProbe] | None = None,
+    sampled: frozenset[str] = frozenset(),
 ) -> dict[str, QuantizedWeight]:
     """AWQ-quantize every linear of `layer`; returns the codes per linear name.
 
@@ -109,7 +110,10 @@ def awq_quantize_layer(
     forward that produced `outputs`, see `LayerRunner`); sequences: per inspected module that
     mixes tokens (a group with `whole_sequences`, e.g. "self_attn"), whole calibration
     sequences to score its group's candidates on; a group whose module has none is scored by
-    its linears' outputs on the sample.
+    its linears' outputs on the sample; sampled: linears whose `inputs` hold the `protect`
+    tokens at their rate (their inputs to them are not massive): their scale search still
+    admits candidates by the protected tokens' error, but the clip guard leaves them to the
+    sample's whole-output check.
     """
     sequences = sequences or {}
     groups = scale_groups(model_type)
@@ -146,7 +150,7 @@ def awq_quantize_layer(
                 w = layer.get_submodule(name).weight
                 clip = search_clip(w, x, config, clip_grid, max_shrink)
                 if guard_tokens:
-                    keep = protect.get(name) if protect else None
+                    keep = protect.get(name) if protect and name not in sampled else None
                     keep = None if keep is None else keep.float() / s
                     clip = guard_clip(w, _evenly(x, guard_tokens), config, clip, keep)
                 out[name] = quantize_rtn(w, config.for_features(w.shape[1]), clip=clip)

@@ -56,6 +56,8 @@ METHODS = ("rtn", "awq", "gptq")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
+SINK_GUARDS = ("all", "massive")
+
 @dataclass(slots=True)
 class QuantizeOptions:
     method: str = "awq"
@@ -87,6 +89,13 @@ class QuantizeOptions:
     # AWQ: whole calibration sequences on which q/k/v's scales are scored by the attention's
     # output (0: by q, k and v's own outputs on the token sample)
     awq_sequences: int = 8
+    # AWQ: which groups leave the attention sinks out of their sample and guard their clips
+    # by them: "all" (every group of a layer that has sinks), or "massive" (only the groups
+    # whose input from the sinks is massive too, see SINK_INPUT_RATIO; elsewhere the sinks
+    # are sampled and only admit scale candidates). "massive" suits SmolLM2 (w4g128, sotu
+    # calibration: 26.35 against 27.13) and costs Qwen2.5-1.5B most of AWQ's gain (w4g128:
+    # 10% / 7% of RTN's loss recovered against 28% / 24%), so it is not the default
+    awq_sink_guard: str = "all"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -96,6 +105,11 @@ class QuantizeOptions:
         if self.compute not in COMPUTE_DTYPES:
             raise InvalidParameterError(
                 f"unknown compute dtype {self.compute!r} (choose from {', '.join(COMPUTE_DTYPES)})"
+            )
+        if self.awq_sink_guard not in SINK_GUARDS:
+            raise InvalidParameterError(
+                f"unknown awq_sink_guard {self.awq_sink_guard!r} (choose from "
+                f"{', '.join(SINK_GUARDS)})"
             )
         if self.awq_sequences < 0:
             raise InvalidParameterError(f"awq_sequences must be >= 0, got {self.awq_sequences}")
@@ -295,8 +309,8 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     picks: list[torch.Tensor] = []  # per chunk: the sampled token indices, shared by all linears
     seen = dict.fromkeys(names, 0)
     # tokens already massive on entry (the sinks, from the layer after the one that makes
-    # them): left out of the searches, but neither the scales nor the clips may worsen
-    # their outputs
+    # them): left out of the searches of the groups whose inputs from them are massive too,
+    # where neither the scales nor the clips may worsen their outputs (`_sinks_apart`)
     n_in = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32).flatten()
     massive = n_in >= MASSIVE_RATIO * n_in.median()
     sinks = massive.nonzero().flatten()
@@ -340,11 +354,18 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
         out = runner(layer, hidden)  # the float layer's output feeds the next layer
     ok = ~massive  # the layer that makes a sink massive keeps it in its searches (below)
     L = hidden.shape[1]
-    for c, idx in enumerate(picks):
-        first = c * runner.chunk * L
-        sel = ok[first + idx].nonzero().flatten()[:per_chunk]
-        for v in (*kept.values(), *outputs.values()):
-            v[c] = v[c][sel]
+    oks = [ok[c * runner.chunk * L + idx] for c, idx in enumerate(picks)]  # per chunk [picks]
+    apart = [
+        opts.awq_sink_guard == "all" or _sinks_apart(g, kept, protect, oks) for g in groups
+    ]
+    by_linear = {n: a for g, a in zip(groups, apart, strict=True) for n in g.linears}
+    by_module = {g.inspect: a for g, a in zip(groups, apart, strict=True) if g.inspect in outputs}
+    for c, o in enumerate(oks):
+        sel = o.nonzero().flatten()[:per_chunk]  # the sample without the sinks
+        for n, v in kept.items():
+            v[c] = v[c][sel] if by_linear.get(n, True) else v[c][:per_chunk]
+        for m, v in outputs.items():
+            v[c] = v[c][sel] if by_module[m] else v[c][:per_chunk]
     inputs = {n: torch.cat(v) for n, v in kept.items()}
     kept.clear()
     q = awq_quantize_layer(
@@ -357,6 +378,7 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
         screen_tokens=opts.awq_screen,
         compute=runner.compute,
         protect={n: torch.cat(v) for n, v in protect.items()},
+        sampled=frozenset(n for n, a in by_linear.items() if not a),
         protect_share=n_sinks / max(n_in.numel(), 1),
         outputs={m: torch.cat(v) for m, v in outputs.items()},
         sequences={
@@ -367,19 +389,47 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     return q, out
 
 
-# AWQ's sample leaves out tokens whose residual stream entering the layer is MASSIVE_RATIO
-# times the median or more: the attention-sink tokens of Qwen2.5 (one per
-# sequence, at position 0, 1 or 3) reach 150-230x the median norm from layer 2 on, the 99.9th
-# percentile of the others 1.4x. Their errors are squared in those units, so they dominate a
-# mean squared error (layer 2's down_proj: 7,000x the other tokens' update), yet RMSNorm
-# divides them by that norm downstream. Left in, they pulled AWQ's scales and clips towards
-# themselves: on Qwen2.5-1.5B layer 27 the searched scales made the layer's error on the
-# other tokens worse than clipping without scales. The layer that makes them massive keeps
-# them: left out there (and so unprotected), SmolLM2's layer 11 lost the sinks' precision
-# and AWQ scored 33.2 / 67.6 against RTN's 31.5 / 64.4 (sotu / Shakespeare, 8,192 tokens).
+# AWQ takes tokens whose residual stream entering the layer is MASSIVE_RATIO times the
+# median or more for attention sinks: Qwen2.5's (one per sequence, at position 0, 1 or 3)
+# reach 150-230x the median norm from layer 2 on, the 99.9th percentile of the others 1.4x.
+# Where their input to a group is massive too (see SINK_INPUT_RATIO) their errors are
+# squared in those units, so they dominate a mean squared error (layer 2's down_proj:
+# 7,000x the other tokens' update), yet RMSNorm divides them by that norm downstream. Left
+# in, they pulled AWQ's scales and clips towards themselves: on Qwen2.5-1.5B layer 27 the
+# searched scales made the layer's error on the other tokens worse than clipping without
+# scales. The layer that makes them massive keeps them: left out there (and so unprotected),
+# SmolLM2's layer 11 lost the sinks' precision and AWQ scored 33.2 / 67.6 against RTN's
+# 31.5 / 64.4 (sotu / Shakespeare, 8,192 tokens).
 MASSIVE_RATIO = 10.0
+# With awq_sink_guard="massive" a sink enters a group's searches as the others do unless
+# its input to the group is this many times the other tokens' (median norms). After the
+# input norm the sinks' inputs are small: 0.1-0.9x the others' to q/k/v, o, gate/up in both
+# SmolLM2 and Qwen2.5-1.5B; only down_proj's (and SmolLM2's last gate/up) grow large, and
+# there only in a few layers (SmolLM2: 3.1x, 44x, 7.9x in layers 27-29; Qwen: 8.7x, 6.6x in
+# layers 2-3, 10.5x in 26). Where they are sampled the scale search still admits candidates
+# by their error, but the clip guard leaves them to the sample. On SmolLM2 (AWQ w4g128, sotu
+# calibration) guarding them apart in every group kept clips off rows the other tokens
+# needed: 27.13 ("all") against 26.35 ("massive"); sampled and guarded everywhere 27.24,
+# sampled and unprotected 26.19. On Qwen2.5-0.5B the rule was neutral (41.73 / 100.26
+# against 41.83 / 99.04, 16,384 tokens), on 1.5B it lost most of AWQ's gain (the default's
+# 28% / 24% of RTN's loss recovered fell to 10% / 7%), which no measurement here explains yet.
+SINK_INPUT_RATIO = 4.0
 AWQ_SPARE_PER_SEQ = 4  # sampled tokens beyond the quota, per sequence, to replace them
 MAX_PROTECTED = 256  # sink tokens whose outputs AWQ's scales and clips may not worsen, per layer
+
+
+def _sinks_apart(group, kept, protect, oks) -> bool:
+    """Whether `group`'s searches leave the sinks out (and protect them): only where the sinks'
+    input to the group is massive too, SINK_INPUT_RATIO times the median norm of the other
+    sampled tokens' or more. Elsewhere they are tokens like the others, sampled at their
+    rate: left out there, their outputs only constrained, not fitted."""
+    name = group.linears[0]
+    sinks = torch.cat(protect[name])
+    if not sinks.shape[0]:
+        return False
+    others = torch.cat([x[o] for x, o in zip(kept[name], oks, strict=True)])
+    norm = lambda t: torch.linalg.vector_norm(t, dim=-1, dtype=torch.float32)  # noqa: E731
+    return bool(norm(sinks).median() >= SINK_INPUT_RATIO * norm(others).median())
 
 
 def _gptq(layer, runner, hidden, opts, stages) -> tuple[dict[str, QuantizedWeight], torch.Tensor]:
@@ -503,7 +553,8 @@ def _provenance(loaded, opts: QuantizeOptions) -> dict:
     if opts.method == "awq":
         prov["awq"] = {"grid": opts.awq_grid, "duo": opts.awq_duo, "tokens": opts.awq_tokens,
                        "propagate": opts.awq_propagate,
-                       "sequences": opts.awq_sequences}  # fmt: skip
+                       "sequences": opts.awq_sequences,
+                       "sink_guard": opts.awq_sink_guard}  # fmt: skip
     return prov
 
 

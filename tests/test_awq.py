@@ -494,6 +494,7 @@ def test_the_next_layer_calibrates_on_the_quantized_layers_output():
 def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
     # position 0's residual 200x the others', as Qwen2.5's attention sinks from layer 2 on:
     # its squared errors would dominate every search, though RMSNorm divides them away
+    # (awq_sink_guard "all", the default: every group leaves them out)
     hf, cfg = tiny_hf_model("llama")
     model = ours_from_hf(hf, cfg)
     layer, args = model.model.layers[0], model.args
@@ -536,6 +537,60 @@ def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
     # ... yet their outputs are what the clip guard protects: every sequence's position 0
     torch.testing.assert_close(protect["self_attn.q_proj"], normed[::L])
     assert all(v.shape[0] == N for v in protect.values())
+
+
+def test_sinks_stay_in_the_groups_whose_inputs_they_do_not_dominate(monkeypatch):
+    """awq_sink_guard="massive". After the input norm a sink's input is an ordinary token's
+    size: q/k/v, o and gate/up sample it at its rate, and their clip guards leave it to the sample (the scale searches
+    still admit by its error). Only down_proj, whose input from the sink is massive here (its
+    gate/up columns amplify the sink's channel), leaves it out and guards it apart."""
+    import edgellm.quantize.awq as awq_mod
+
+    hf, cfg = tiny_hf_model("llama")
+    model = ours_from_hf(hf, cfg)
+    layer, args = model.model.layers[0], model.args
+    N, L, D = 8, 16, args.hidden_size
+    hidden = torch.randn(N, L, D, generator=torch.Generator().manual_seed(0))
+    hidden[:, 0] = 0
+    hidden[:, 0, 3] = 200 * D**0.5  # one massive channel, as real sinks carry
+    with torch.no_grad():
+        layer.mlp.gate_proj.weight[:, 3] *= 30
+        layer.mlp.up_proj.weight[:, 3] *= 30
+        normed = layer.input_layernorm(hidden.reshape(-1, D))
+    seen, guarded = {}, {}
+    real, real_guard = pipeline.awq_quantize_layer, awq_mod.guard_clip
+
+    def spy(layer, inputs, *args, **kwargs):
+        seen.update(inputs, protect=kwargs["protect"], sequences=kwargs["sequences"])
+        seen["sampled"] = kwargs["sampled"]
+        return real(layer, inputs, *args, **kwargs)
+
+    def guard_spy(w, x, config, clip, protect=None):
+        guarded[w.shape] = protect is not None
+        return real_guard(w, x, config, clip, protect)
+
+    monkeypatch.setattr(pipeline, "awq_quantize_layer", spy)
+    monkeypatch.setattr(awq_mod, "guard_clip", guard_spy)
+    opts = QuantizeOptions(method="awq", group_size=32, awq_tokens=96, awq_sink_guard="massive")
+    quantize_layer(layer, LayerRunner(args, L, chunk=2), hidden, opts, "llama", _stages(args))
+
+    names = [n for s in _stages(args) for n in s]
+    assert seen["sampled"] == set(names) - {"mlp.down_proj"}
+    assert all(seen["protect"][n].shape[0] == N for n in names)  # the scale searches admit
+    down = layer.mlp.down_proj.weight.shape
+    assert guarded[down] and not any(v for k, v in guarded.items() if k != down)
+    assert torch.equal(seen["sequences"]["self_attn"].sinks, torch.arange(2 * L) % L == 0)
+    rows = torch.cdist(seen["self_attn.q_proj"], normed).argmin(1)
+    assert (rows % L == 0).any()  # sinks sampled with the others
+    x = seen["mlp.down_proj"]
+    assert x.shape[0] == 96
+    assert x.norm(dim=1).max() < seen["protect"]["mlp.down_proj"].norm(dim=1).min() / 10
+
+
+def test_sink_guard_choices():
+    assert QuantizeOptions().awq_sink_guard == "all"
+    with pytest.raises(InvalidParameterError, match="awq_sink_guard"):
+        QuantizeOptions(awq_sink_guard="some")
 
 
 def _attention_error(layer, xn, args, config, s) -> float:
