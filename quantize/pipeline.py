@@ -54,9 +54,8 @@ from edgellm.version import __version__
 
 METHODS = ("rtn", "awq", "gptq")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+SINK_GUARDS = ("all", "massive")  # QuantizeOptions.awq_sink_guard
 
-
-SINK_GUARDS = ("all", "massive")
 
 @dataclass(slots=True)
 class QuantizeOptions:
@@ -309,8 +308,9 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
     picks: list[torch.Tensor] = []  # per chunk: the sampled token indices, shared by all linears
     seen = dict.fromkeys(names, 0)
     # tokens already massive on entry (the sinks, from the layer after the one that makes
-    # them): left out of the searches of the groups whose inputs from them are massive too,
-    # where neither the scales nor the clips may worsen their outputs (`_sinks_apart`)
+    # them): left out of the searches, where neither the scales nor the clips may worsen
+    # their outputs; with awq_sink_guard "massive" only in the groups whose inputs from them
+    # are massive too (`_sinks_apart`)
     n_in = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32).flatten()
     massive = n_in >= MASSIVE_RATIO * n_in.median()
     sinks = massive.nonzero().flatten()
@@ -392,8 +392,8 @@ def _awq(layer, runner, hidden, opts, model_type, stages):
 # AWQ takes tokens whose residual stream entering the layer is MASSIVE_RATIO times the
 # median or more for attention sinks: Qwen2.5's (one per sequence, at position 0, 1 or 3)
 # reach 150-230x the median norm from layer 2 on, the 99.9th percentile of the others 1.4x.
-# Where their input to a group is massive too (see SINK_INPUT_RATIO) their errors are
-# squared in those units, so they dominate a mean squared error (layer 2's down_proj:
+# Their errors are squared in those units (where their input to a group is massive too:
+# see SINK_INPUT_RATIO), so they dominate a mean squared error (layer 2's down_proj:
 # 7,000x the other tokens' update), yet RMSNorm divides them by that norm downstream. Left
 # in, they pulled AWQ's scales and clips towards themselves: on Qwen2.5-1.5B layer 27 the
 # searched scales made the layer's error on the other tokens worse than clipping without
