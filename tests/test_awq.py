@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from edgellm.errors import InvalidParameterError, UnsupportedArchitectureError
+from edgellm.quantize import awq as awq_module
 from edgellm.quantize import pipeline
 from edgellm.quantize.awq import (
     ScaleGroup,
@@ -541,11 +542,10 @@ def test_awq_samples_leave_out_tokens_with_massive_residuals(monkeypatch):
 
 def test_sinks_stay_in_the_groups_whose_inputs_they_do_not_dominate(monkeypatch):
     """awq_sink_guard="massive". After the input norm a sink's input is an ordinary token's
-    size: q/k/v, o and gate/up sample it at its rate, and their clip guards leave it to the sample (the scale searches
-    still admit by its error). Only down_proj, whose input from the sink is massive here (its
-    gate/up columns amplify the sink's channel), leaves it out and guards it apart."""
-    import edgellm.quantize.awq as awq_mod
-
+    size: q/k/v, o and gate/up sample it at its rate, and their clip guards leave it to the
+    sample (the scale searches still admit by its error). Only down_proj, whose input from
+    the sink is massive here (its gate/up columns amplify the sink's channel), leaves it out
+    and guards it apart."""
     hf, cfg = tiny_hf_model("llama")
     model = ours_from_hf(hf, cfg)
     layer, args = model.model.layers[0], model.args
@@ -558,7 +558,7 @@ def test_sinks_stay_in_the_groups_whose_inputs_they_do_not_dominate(monkeypatch)
         layer.mlp.up_proj.weight[:, 3] *= 30
         normed = layer.input_layernorm(hidden.reshape(-1, D))
     seen, guarded = {}, {}
-    real, real_guard = pipeline.awq_quantize_layer, awq_mod.guard_clip
+    real, real_guard = pipeline.awq_quantize_layer, awq_module.guard_clip
 
     def spy(layer, inputs, *args, **kwargs):
         seen.update(inputs, protect=kwargs["protect"], sequences=kwargs["sequences"])
@@ -570,7 +570,7 @@ def test_sinks_stay_in_the_groups_whose_inputs_they_do_not_dominate(monkeypatch)
         return real_guard(w, x, config, clip, protect)
 
     monkeypatch.setattr(pipeline, "awq_quantize_layer", spy)
-    monkeypatch.setattr(awq_mod, "guard_clip", guard_spy)
+    monkeypatch.setattr(awq_module, "guard_clip", guard_spy)
     opts = QuantizeOptions(method="awq", group_size=32, awq_tokens=96, awq_sink_guard="massive")
     quantize_layer(layer, LayerRunner(args, L, chunk=2), hidden, opts, "llama", _stages(args))
 
