@@ -326,7 +326,8 @@ class LlamaCppBackend:
             config.keep_tokens,
         )
         self._batch = b = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._out_ptr, self._out = None, torch.empty(0, self.vocab_size)  # see _logits
+        self._out_ptr, self._out, self._out_cap = None, torch.empty(0, self.vocab_size), 0
+        self._views: dict[int, torch.Tensor] = {}  # see _logits
         # numpy views of the batch's arrays, made once: every step fills them
         view = np.ctypeslib.as_array
         self._tokens, self._pos = view(b.token, (self.n_batch,)), view(b.pos, (self.n_batch,))
@@ -391,29 +392,37 @@ class LlamaCppBackend:
 
     # ---- the forward pass ----------------------------------------------------------------
     def forward(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
-        n = sum(item.num_tokens for item in batch)
+        sizes = [item.num_tokens for item in batch]
+        n = sum(sizes)
         if n > self.n_batch:
             raise InvalidParameterError(f"{n} tokens in one step; the context takes {self.n_batch}")
         b = self._batch
-        tokens, pos, logits = self._tokens[:n], self._pos[:n], self._want[:n]
-        logits[:] = 0
-        i = 0
-        for item in batch:
-            seq, start = item.seq, item.seq.num_computed_tokens
+        i = rows = 0
+        for item, k in zip(batch, sizes, strict=True):
+            seq = item.seq
+            start = seq.num_computed_tokens
             lseq = self.cells.prepare(seq)
-            k = item.num_tokens
-            tokens[i : i + k] = item.input_ids()
-            pos[i : i + k] = np.arange(start, start + k)
-            for j in range(i, i + k):
-                b.seq_id[j][0] = lseq
-            logits[i + k - (k if all_logits else item.logit_rows) : i + k] = 1
+            want = k if all_logits else item.logit_rows  # the chunk's last `want` tokens
+            if k == 1:  # a decode: scalar stores, no numpy calls (each costs microseconds
+                # right after a forward, with the caches cold)
+                b.token[i] = seq.token_ids[start] if item.num_new else seq.spec_token_ids[0]
+                b.pos[i], b.seq_id[i][0], b.logits[i] = start, lseq, want
+            else:
+                self._tokens[i : i + k] = item.input_ids()
+                self._pos[i : i + k] = np.arange(start, start + k)
+                for j in range(i, i + k):
+                    b.seq_id[j][0] = lseq
+                flags = self._want[i : i + k]
+                flags[:] = 0
+                flags[k - want :] = 1
             i += k
+            rows += want
         b.n_tokens = n
         self.cells.cow_src.clear()
         self._decode()
-        for item in batch:
-            self.cells.computed(item.seq, item.num_tokens)
-        return self._logits(int(logits.sum()))
+        for item, k in zip(batch, sizes, strict=True):
+            self.cells.computed(item.seq, k)
+        return self._logits(rows)
 
     def _decode(self) -> None:
         rc = self.ll.llama_decode(self.ctx, self._batch)
@@ -427,14 +436,18 @@ class LlamaCppBackend:
         if rows == 0:
             return torch.empty(0, self.vocab_size)
         ptr = ctypes.cast(self.ll.llama_get_logits(self.ctx), ctypes.c_void_p).value
-        if ptr != self._out_ptr or rows > len(self._out):
+        if ptr != self._out_ptr or rows > self._out_cap:
             # llama.cpp reserves outputs for at least n_seq_max rows; a larger step reallocates
             cap = max(rows, MAX_SEQ)
             arr = np.ctypeslib.as_array(
                 ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (cap, self.vocab_size)
             )
-            self._out_ptr, self._out = ptr, torch.from_numpy(arr)
-        return self._out[:rows]
+            self._out_ptr, self._out, self._out_cap = ptr, torch.from_numpy(arr), cap
+            self._views = {}  # rows -> its view of that buffer, made once
+        view = self._views.get(rows)
+        if view is None:
+            view = self._views[rows] = self._out[:rows]
+        return view
 
     # ---- storage hooks -------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -270,23 +270,33 @@ def test_non_finite_logits_end_that_request_with_an_error_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
-def test_step_checks_find_any_non_finite_logit_and_each_rows_argmax(dtype, bad):
-    """The step's finiteness check (argmax and min, or max and min without greedy rows; numpy
-    on CPU float32, torch otherwise) is torch.isfinite(...).all() and its argmax is torch's,
-    whatever the bad value's row."""
-    from edgellm.engine.engine import _step_checks
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf"), "row -inf"])
+def test_step_checks_find_each_unusable_row_and_each_rows_argmax(dtype, bad):
+    """The step's check (one pass: argmax, or max without greedy rows; numpy on CPU float32,
+    torch otherwise) fails exactly when a row holds a NaN or a +inf, or nothing but -inf; a
+    -inf among finite logits is a token ruled out, not an error. Its argmax is torch's."""
+    from edgellm.engine.engine import _step_checks, _usable
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 1000, generator=g) * 5).to(dtype)
-    if bad is not None:
+    if bad == "row -inf":
+        logits[1] = float("-inf")
+    elif bad is not None:
         logits[1, 517] = bad
+    # the rule, element by element: no NaN, no +inf, at least one finite logit
+    usable = [
+        not row.isnan().any() and not row.isposinf().any() and bool(row.isfinite().any())
+        for row in logits
+    ]
     finite, argmax = _step_checks(logits, plain=True)
-    assert finite == bool(torch.isfinite(logits).all())
+    assert finite == all(usable) == (bad in (None, float("-inf")))
+    assert [_usable(row[None]) for row in logits] == usable
     if finite:
         assert argmax == logits.float().argmax(-1).tolist()
+        assert argmax[1] != 517 or bad is None
     assert _step_checks(logits, plain=False) == (finite, [])
     assert _step_checks(logits[:0], plain=True) == (True, [])
+
 
 def test_n_children_count_against_max_num_seqs_from_admission():
     """A request's n sequences are admitted together: forking after the prompt never takes

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -33,24 +34,36 @@ from edgellm.sampling.sampler import make_generator, process_logits, sample_toke
 log = logging.getLogger(__name__)
 
 
-def _step_checks(logits: torch.Tensor, plain: bool) -> tuple[bool, list[int]]:
-    """Whether every logit of the step is finite, and each row's argmax (when a plain greedy
-    row will take it). A row is all finite iff its max and min are: NaN propagates through
-    both. On CPU float32 logits numpy does it single-threaded: torch's two-thread reductions
-    wait on a barrier, which costs milliseconds when llama.cpp's threads hold the cores
-    (0.04 ms against 0.3-1.4 ms over a 152k vocabulary)."""
+def _step_checks(
+    logits: torch.Tensor, plain: bool, array: np.ndarray | None = None
+) -> tuple[bool, list[int]]:
+    """Whether every row of the step has a usable maximum, and each row's argmax (when a
+    plain greedy row will take it). A row is usable iff its maximum is finite: a NaN
+    anywhere makes it NaN, a +inf makes it +inf, and a row of nothing but -inf has -inf.
+    A -inf among finite logits is legal (a token ruled out: sampling gives it no mass,
+    greedy never picks it). One pass over the logits: the argmax holds each row's maximum
+    (or its first NaN). CPU float32 logits go through numpy (`array`, their view, when the
+    caller has it), single-threaded: torch's two-thread reductions wait on a barrier, which
+    costs milliseconds when llama.cpp's threads hold the cores (0.04 ms against 0.3-1.4 ms
+    over a 152k vocabulary)."""
+    if array is None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        array = logits.numpy()
+    if array is not None:
+        if not len(array):
+            return True, []
+        if plain:  # (indexing row by row: fewer numpy calls than one fancy index)
+            idx = array.argmax(-1).tolist()
+            return all(math.isfinite(array[r, i]) for r, i in enumerate(idx)), idx
+        return bool(np.isfinite(array.max(-1)).all()), []
     if not len(logits):
         return True, []
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        a = logits.numpy()
-        if plain:  # the argmax holds each row's max (or its first NaN): one pass fewer
-            idx = a.argmax(-1)
-            top = a[np.arange(len(a)), idx]
-            finite = bool(np.isfinite(top).all() and np.isfinite(a.min()))
-            return finite, idx.tolist()
-        return bool(np.isfinite(a.max()) and np.isfinite(a.min())), []
-    finite = bool(torch.isfinite(logits.amax()) and torch.isfinite(logits.amin()))
+    finite = bool(torch.isfinite(logits.amax(-1)).all())
     return finite, logits.argmax(-1).tolist() if plain else []
+
+
+def _usable(rows: torch.Tensor) -> bool:
+    """The check of `_step_checks` for one sequence's rows."""
+    return bool(torch.isfinite(rows.amax(-1)).all())
 
 
 @dataclass
@@ -66,6 +79,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_ids: frozenset[int] = frozenset()  # token ids that end a completion
+    hold: int = 0  # characters a stream holds back (`holdback` of its params)
 
     @property
     def finished(self) -> bool:
@@ -113,6 +127,7 @@ class Engine:
         self.token_seconds: float | None = None  # measured forward time per prefill token
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._view: tuple[torch.Tensor, np.ndarray] | None = None  # see _numpy_view
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "forward_s": 0.0}
 
     # ---- requests ------------------------------------------------------------------------------
@@ -137,7 +152,9 @@ class Engine:
         stop = set(params.stop_token_ids) | (
             set() if params.ignore_eos else self.tokenizer.stop_ids
         )
-        req = Request(request_id, text, ids, params, stop_ids=frozenset(stop))
+        req = Request(
+            request_id, text, ids, params, stop_ids=frozenset(stop), hold=holdback(params)
+        )
         generator = make_generator(child_seed(params.seed, 0))
         seq = Sequence(request_id, list(ids), params, generator=generator)
         seq.pending_forks = params.n - 1
@@ -217,7 +234,8 @@ class Engine:
         logits = self.backend.forward(out.scheduled)
         seconds = time.perf_counter() - t1
         self.stats["forward_s"] += seconds
-        self._measure(out.scheduled, seconds)
+        if not all_decode:  # only prefill-heavy steps tell what recomputing costs
+            self._measure(out.scheduled, seconds)
         self.stats["steps"] += 1
         deltas = self._postprocess(out.scheduled, logits, proposals)
         if self.speculator is not None and all_decode:  # prefill chunks would blur the cost
@@ -265,9 +283,10 @@ class Engine:
         proposals: dict[int, Proposal],
     ) -> list[StreamDelta]:
         sizes = [item.logit_rows for item in scheduled]
-        rows = torch.split(logits, sizes)
+        # one sequence (a single stream's every step) has every row: no views to make
+        rows = (logits,) if len(sizes) == 1 else torch.split(logits, sizes)
         plain = any(item.seq.params.plain_greedy for item in scheduled)
-        finite, argmax = _step_checks(logits, plain)
+        finite, argmax = _step_checks(logits, plain, self._numpy_view(logits))
         first_row = itertools.accumulate([0, *sizes])
         touched: dict[str, Request] = {}
         for item, r, first in zip(scheduled, rows, first_row, strict=False):
@@ -277,7 +296,7 @@ class Engine:
                 self.block_manager.commit(seq, computed)
                 continue
             req = touched[seq.request_id] = self.requests[seq.request_id]
-            if not finite and not bool(torch.isfinite(r).all()):
+            if not finite and not _usable(r):
                 self._fail(seq, _non_finite(seq, r))
                 continue
             choice = argmax[first] if seq.params.plain_greedy and argmax else None
@@ -287,6 +306,18 @@ class Engine:
                 log.exception("request %s failed", seq.request_id)
                 self._fail(seq, f"internal error while sampling ({type(e).__name__})")
         return [d for req in touched.values() for d in self._deltas(req)]
+
+    def _numpy_view(self, logits: torch.Tensor) -> np.ndarray | None:
+        """A numpy view of CPU float32 logits, kept for the tensor a backend hands back every
+        step (llama.cpp's: a view of its output buffer). Right after a forward has streamed
+        the weights through the caches each torch call costs 20-40 us (0.5B, 2 cores);
+        asking this tensor for its device, dtype, length and numpy view took 0.13 ms."""
+        if self._view is not None and self._view[0] is logits:
+            return self._view[1]
+        if logits.device.type != "cpu" or logits.dtype != torch.float32:
+            return None
+        self._view = (logits, logits.numpy())
+        return self._view[1]
 
     def _settle(
         self,
@@ -355,8 +386,8 @@ class Engine:
         drafted = len(seq.spec_token_ids)
         seq.spec_token_ids = []
         reason = None
-        for token, row in zip(tokens, rows, strict=False):
-            reason = self._append(req, seq, token, row)
+        for k, token in enumerate(tokens):  # rows[k] only where logprobs want it
+            reason = self._append(req, seq, token, rows, k)
             if reason is not None:  # tokens after a stop are discarded
                 break
         self.block_manager.commit(seq, min(computed, len(seq)))
@@ -366,11 +397,14 @@ class Engine:
             self.block_manager.trim(seq, computed)
             self.backend.truncate(seq, computed)
 
-    def _append(self, req: Request, seq: Sequence, token: int, row: torch.Tensor) -> str | None:
-        """Append a chosen token (raw logits `row` gave it); returns why the sequence ends."""
+    def _append(
+        self, req: Request, seq: Sequence, token: int, rows: torch.Tensor, k: int
+    ) -> str | None:
+        """Append a chosen token (raw logits `rows[k]` gave it); returns why the sequence
+        ends."""
         params = seq.params
         if params.logprobs is not None:
-            seq.logprobs.append(top_logprobs(row, token, params.logprobs))
+            seq.logprobs.append(top_logprobs(rows[k], token, params.logprobs))
         seq.token_ids.append(token)
         self.stats["generated_tokens"] += 1
         if req.first_token_time is None:
@@ -407,7 +441,7 @@ class Engine:
 
     def _deltas(self, req: Request) -> list[StreamDelta]:
         """Text gained since last time; text that may still become a stop string is held back."""
-        hold = holdback(req.params)
+        hold = req.hold
         deltas = []
         for seq in req.seqs:
             end = len(seq.output_text) if seq.finished else max(len(seq.output_text) - hold, 0)
@@ -532,9 +566,14 @@ def child_seed(seed: int | None, index: int) -> int | None:
 
 
 def _non_finite(seq: Sequence, rows: torch.Tensor) -> str:
-    """Non-finite logits: a NaN row would otherwise sample token 0 or stop at once, silently."""
-    kind = "NaN" if bool(rows.isnan().any()) else "infinite"
+    """Unusable logits: a NaN row would otherwise sample token 0 or stop at once, silently."""
+    if bool(rows.isnan().any()):
+        kind = "NaN logits"
+    elif bool(rows.isposinf().any()):
+        kind = "infinite logits"
+    else:
+        kind = "-inf for every token"
     return (
-        f"the model computed {kind} logits at token {len(seq)}; its weights or config "
+        f"the model computed {kind} at token {len(seq)}; its weights or config "
         "produce non-finite values"
     )

@@ -364,31 +364,41 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-8:])  # window: context + pending ids
         self._prefix = 0  # window[_prefix:_read] was already emitted: left context
         self._read = len(self._ids)  # window[_read:] not yet emitted
+        self._context: str | None = None  # decode(window[_prefix:_read]), once known
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special)
 
+    def _left(self) -> str:
+        """The left context's text: decoded once per emitted chunk, not once per step."""
+        if self._context is None:
+            self._context = self._decode(self._ids[self._prefix : self._read])
+        return self._context
+
     def step(self, token_id: int) -> str:
         """Feed one id; returns the new text (maybe empty) that it completes."""
         self._ids.append(token_id)
-        context = self._decode(self._ids[self._prefix : self._read])
+        context = self._left()
         text = self._decode(self._ids[self._prefix :])
         if len(text) <= len(context) or text.endswith("\ufffd"):
             return ""  # nothing new yet, or an unfinished character
         emitted = self._ids[self._read :]
-        if self._decode(emitted):
+        chunk = self._decode(emitted)
+        if chunk:
             # The emitted chunk is the next left context. A chunk that decodes to
             # nothing (a skipped special token) would be no context at all.
             self._ids, self._prefix = self._ids[self._read :], 0
         self._read = len(self._ids)
+        self._context = chunk if chunk else None
         return text[len(context) :]
 
     def flush(self) -> str:
         """Whatever is still held back (at the end of generation), even if incomplete."""
-        context = self._decode(self._ids[self._prefix : self._read])
+        context = self._left()
         text = self._decode(self._ids[self._prefix :])
         self._ids, self._prefix = self._ids[self._read :], 0
         self._read = len(self._ids)
+        self._context = None
         return text[len(context) :]
 
 
