@@ -297,6 +297,8 @@ def decode_rounds(path: str, threads: int, n: int, rounds: int) -> dict:
         "llama_1thread_read_bytes_per_s": b["total"] * max(one),
         "edgellm_vs_llama": rate / peer_rate,
         "edgellm_vs_llama_median": med(ours) / med(peer),
+        # each round's pair ran back to back under the same conditions of the VM
+        "edgellm_vs_llama_rounds": [o / p for o, p in zip(ours, peer, strict=True)],
         "bandwidth_fraction": med(b["total"] * r / w for r, w in zip(ours, bws, strict=True)),
         "llama_bandwidth_fraction": med(b["total"] * r / w for r, w in zip(peer, bws, strict=True)),
         "bandwidth_fraction_best": b["total"] * rate / max(bws),
@@ -512,9 +514,13 @@ def markdown(res: dict, command: str) -> str:
             f"| llama-cpp-python `Llama.generate`, best / median | "
             f"{max(d['llama_generate_tok_s']):.1f} / {median(d['llama_generate_tok_s']):.1f} tok/s = "
             f"{d['llama_bandwidth_fraction']:.0%} of bandwidth |",
-            f"| edgellm / Llama.generate, best / median | {d['edgellm_vs_llama']:.2f} / "
-            f"{d.get('edgellm_vs_llama_median', float('nan')):.2f} |",
+            f"| edgellm / Llama.generate, best / median | {d['edgellm_vs_llama']:.3f} / "
+            f"{d.get('edgellm_vs_llama_median', float('nan')):.3f} |",
         ]
+        if paired := d.get("edgellm_vs_llama_rounds"):
+            lines.append(f"| edgellm / Llama.generate round by round: median (rounds edgellm "
+                         f"was ahead) | {median(paired):.3f} ({sum(r > 1 for r in paired)} of "
+                         f"{len(paired)}) |")  # fmt: skip
         if "bandwidth_rounds" in d:
             lines.append("| (of bandwidth: the median over rounds of tok/s x bytes / that round's "
                          "read) | |")  # fmt: skip
