@@ -48,7 +48,9 @@ class Backend(Protocol):
         """Logits [rows, vocab] float32: `item.logit_rows` rows per scheduled item, in batch
         order (the chunk's last tokens), or every computed token of every item when
         `all_logits`. Valid until the backend's next forward: a backend may hand out a view
-        of its own output buffer (llama.cpp does), so a caller that keeps them copies them."""
+        of its own output buffer (llama.cpp does), so a caller that keeps them copies them.
+        It may hand out the same tensor object again (llama.cpp does, for each row count),
+        but then over the same memory: the engine keeps the numpy view of such a tensor."""
         ...
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
