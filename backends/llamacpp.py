@@ -413,7 +413,7 @@ class LlamaCppBackend:
             want = k if all_logits else item.logit_rows  # the chunk's last `want` tokens
             if k == 1:  # a decode: scalar stores, no numpy calls (each costs microseconds
                 # right after a forward, with the caches cold)
-                b.token[i] = seq.token_ids[start] if item.num_new else seq.spec_token_ids[0]
+                b.token[i] = item.input_ids()[0]
                 b.pos[i], b.seq_id[i][0], b.logits[i] = start, lseq, want
             else:
                 self._tokens[i : i + k] = item.input_ids()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from edgellm.engine.sequence import Sequence
 from edgellm.errors import ContextLengthError, InvalidParameterError
 from edgellm.sampling.params import SamplingParams
 from tests.conftest import run_all, tiny_engine
@@ -296,6 +297,18 @@ def test_step_checks_find_each_unusable_row_and_each_rows_argmax(dtype, bad):
         assert argmax[1] != 517 or bad is None
     assert _step_checks(logits, plain=False) == (finite, [])
     assert _step_checks(logits[:0], plain=True) == (True, [])
+
+
+def test_unusable_rows_are_named_by_what_is_wrong():
+    from edgellm.engine.engine import _non_finite
+
+    seq = Sequence("r", [1, 2, 3], SamplingParams())
+    row = torch.zeros(1, 8)
+    nan, pos, neg = row.clone(), row.clone(), torch.full((1, 8), float("-inf"))
+    nan[0, 3], pos[0, 3] = float("nan"), float("inf")
+    assert "NaN logits at token 3" in _non_finite(seq, nan)
+    assert "infinite logits" in _non_finite(seq, pos)
+    assert "-inf for every token" in _non_finite(seq, neg)
 
 
 def test_n_children_count_against_max_num_seqs_from_admission():

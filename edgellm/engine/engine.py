@@ -57,8 +57,7 @@ def _step_checks(
         return bool(np.isfinite(array.max(-1)).all()), []
     if not len(logits):
         return True, []
-    finite = bool(torch.isfinite(logits.amax(-1)).all())
-    return finite, logits.argmax(-1).tolist() if plain else []
+    return _usable(logits), logits.argmax(-1).tolist() if plain else []
 
 
 def _usable(rows: torch.Tensor) -> bool:
