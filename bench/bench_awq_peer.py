@@ -175,10 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work-dir", help="the steps' cache (default: per model, under /tmp)")
     ap.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
-    default = args.model == ap.get_default("model")
-    args.work_dir = args.work_dir or "/tmp/edgellm-bench-awq-peer" + ("" if default else
-                                                                      f"-{args.model}")
-    stem = "awq_peer" if default else f"awq_peer-{args.model}"
+    suffix = "" if args.model == ap.get_default("model") else f"-{args.model}"
+    args.work_dir = args.work_dir or f"/tmp/edgellm-bench-awq-peer{suffix}"
+    stem = f"awq_peer{suffix}"
     command = "python " + shlex.join(["bench/bench_awq_peer.py", *argv])
     t0 = time.perf_counter()
     res = run(args)
